@@ -1,0 +1,28 @@
+"""Pure tensor math of rlcli: LM head log-probs, policy losses, aggregation and metrics.
+
+Nothing here knows about Lightning or torch.distributed.
+"""
+
+from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
+from rlcli.modules.lm_head import token_logprobs
+from rlcli.modules.losses import LOSSES, per_token_loss
+from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
+from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss, policy_loss
+from rlcli.modules.segments import Segments
+
+__all__ = [
+    "AGGREGATIONS",
+    "LOSSES",
+    "METRIC_LEVELS",
+    "MetricPartials",
+    "Segments",
+    "StepTotals",
+    "check_policy_loss_options",
+    "finalize_metrics",
+    "metric_partials",
+    "micro_batch_loss",
+    "per_token_loss",
+    "policy_loss",
+    "token_logprobs",
+    "token_weights",
+]

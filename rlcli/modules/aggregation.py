@@ -1,0 +1,131 @@
+"""Step totals and per-token aggregation weights of SPEC §4.
+
+The step loss is ``L = Σ_t w_t ℓ_t`` over every token of the step. The weights of a micro-batch
+need only its own tokens and the step totals, so micro-batches (and ranks) can each compute their
+part of ``L`` and the parts add up exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlcli.modules.segments import Segments
+
+AGGREGATIONS = ("token_mean", "sample_mean", "prompt_mean", "constant")
+
+
+def check_aggregation_options(aggregation: str, divisor: float | None) -> None:
+    """Raise ``ValueError`` naming the invalid argument."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+    if aggregation == "constant":
+        if divisor is None:
+            raise ValueError("divisor is required for aggregation 'constant'")
+        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+            raise ValueError(f"divisor must be a number; got {divisor!r}")
+        if not (0 < divisor < math.inf):
+            raise ValueError(f"divisor must be a finite number > 0; got {divisor!r}")
+    elif divisor is not None:
+        raise ValueError(f"divisor is only valid for aggregation 'constant', not {aggregation!r}")
+
+
+@dataclass
+class StepTotals:
+    """Counts over a whole step (all micro-batches, all ranks); every field adds up.
+
+    ``group_documents[g]`` and ``group_tokens[g]`` (``T_g``) are indexed by the step's group
+    indices, so micro-batches must share one group numbering.
+    """
+
+    documents: torch.Tensor  # [] D
+    tokens: torch.Tensor  # [] T
+    group_documents: torch.Tensor  # [G]
+    group_tokens: torch.Tensor  # [G] T_g
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """P: groups with at least one document in the step."""
+        return (self.group_documents > 0).sum().to(self.tokens.dtype)
+
+    @classmethod
+    def of_tokens(
+        cls,
+        mask: torch.Tensor,
+        segments: Segments,
+        group_index: torch.Tensor | None = None,
+        num_groups: int = 0,
+    ) -> "StepTotals":
+        """Totals of the given tokens; ``group_index`` [N] in ``[0, num_groups)``."""
+        mask = mask.detach()
+        dtype = torch.float64
+        group_documents = torch.zeros(num_groups, dtype=dtype, device=mask.device)
+        group_tokens = torch.zeros(num_groups, dtype=dtype, device=mask.device)
+        if group_index is not None and num_groups > 0:
+            group_tokens.index_add_(0, group_index, mask.to(dtype))
+            # [S] the group of each document (all its tokens share one group)
+            doc_groups = group_index.new_zeros(segments.count).scatter_(0, segments.inverse, group_index)
+            group_documents.index_add_(0, doc_groups, torch.ones_like(doc_groups, dtype=dtype))
+        return cls(
+            documents=torch.tensor(float(segments.count), dtype=dtype, device=mask.device),
+            tokens=mask.to(dtype).sum(),
+            group_documents=group_documents,
+            group_tokens=group_tokens,
+        )
+
+    def __add__(self, other: "StepTotals") -> "StepTotals":
+        return StepTotals(
+            documents=self.documents + other.documents,
+            tokens=self.tokens + other.tokens,
+            group_documents=self.group_documents + other.group_documents,
+            group_tokens=self.group_tokens + other.group_tokens,
+        )
+
+    def flatten(self) -> torch.Tensor:
+        """``[2 + 2G]`` float64, for one all-reduce (sum) of every field."""
+        return torch.cat(
+            [self.documents[None], self.tokens[None], self.group_documents, self.group_tokens]
+        )
+
+    @classmethod
+    def unflatten(cls, flat: torch.Tensor) -> "StepTotals":
+        num_groups = (flat.numel() - 2) // 2
+        return cls(
+            documents=flat[0],
+            tokens=flat[1],
+            group_documents=flat[2 : 2 + num_groups],
+            group_tokens=flat[2 + num_groups :],
+        )
+
+
+def token_weights(
+    mask: torch.Tensor,
+    segments: Segments,
+    totals: StepTotals,
+    *,
+    aggregation: str,
+    divisor: float | None = None,
+    group_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``w_t`` of SPEC §4 for the given tokens ([N], same dtype as ``mask``, 0 where mask is 0).
+
+    Denominators are clamped to at least 1: they only matter where ``m_t = 1``, and there they are
+    >= 1 already, so a step with nothing to train on gets weights 0, never NaN.
+    """
+    dtype = mask.dtype
+    documents = totals.documents.to(dtype).clamp(min=1)
+    if aggregation == "token_mean":
+        return mask / totals.tokens.to(dtype).clamp(min=1)
+    if aggregation == "sample_mean":
+        doc_tokens = segments.sum(mask.detach()).clamp(min=1)  # [S] n_d
+        return mask / (segments.broadcast(doc_tokens) * documents)
+    if aggregation == "prompt_mean":
+        if group_index is None:
+            raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
+        group_tokens = totals.group_tokens.to(dtype)[group_index].clamp(min=1)  # [N] T_g
+        return mask / (group_tokens * totals.groups.to(dtype).clamp(min=1))
+    if aggregation == "constant":
+        return mask / (divisor * documents)
+    raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")

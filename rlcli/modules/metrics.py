@@ -1,0 +1,119 @@
+"""Step metrics of SPEC §6 as partials that combine exactly across micro-batches and ranks.
+
+Each micro-batch yields ``MetricPartials``: sums (added), maxima and minima. Document means
+``μ(v) = (1/D) Σ_d (1/max(n_d,1)) Σ_t m_t v_t`` are kept as their numerators and divided by the
+step's ``D`` once, in ``finalize_metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from rlcli.modules.aggregation import StepTotals
+from rlcli.modules.losses import RatioUnits
+from rlcli.modules.segments import Segments
+
+METRIC_LEVELS = ("none", "basic", "with_entropy")
+
+
+def check_metrics_level(metrics: str) -> None:
+    if metrics not in METRIC_LEVELS:
+        raise ValueError(f"metrics must be one of {', '.join(METRIC_LEVELS)}; got {metrics!r}")
+
+
+@dataclass
+class MetricPartials:
+    """Partial metrics of part of a step. ``means`` hold document-mean numerators."""
+
+    means: dict[str, torch.Tensor] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    minima: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __add__(self, other: "MetricPartials") -> "MetricPartials":
+        def combine(a, b, op):
+            return {k: op(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
+
+        return MetricPartials(
+            means=combine(self.means, other.means, torch.add),
+            sums=combine(self.sums, other.sums, torch.add),
+            maxima=combine(self.maxima, other.maxima, torch.maximum),
+            minima=combine(self.minima, other.minima, torch.minimum),
+        )
+
+
+def metric_partials(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    segments: Segments,
+    units: RatioUnits,
+    *,
+    loss: str,
+    eps_low: float,
+    eps_high: float,
+    metrics: str,
+    entropy: torch.Tensor | None = None,
+) -> MetricPartials:
+    """The SPEC §6 partials of one micro-batch (whole documents). All inputs ``[N]``; float64 out."""
+    partials = MetricPartials()
+    if metrics == "none":
+        return partials
+    f64 = torch.float64
+    mask = mask.detach().to(f64)
+    doc_norm = segments.sum(mask).clamp(min=1)  # [S]
+    token_mean_weight = mask / segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
+
+    def doc_mean_numerator(values):
+        return (token_mean_weight * values.detach().to(f64)).sum()
+
+    partials.means["old_logprobs"] = doc_mean_numerator(old_logprobs)
+    partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
+    partials.means["advantage"] = doc_mean_numerator(advantages)
+    if metrics == "with_entropy":
+        if entropy is None:
+            raise ValueError("metrics 'with_entropy' needs the per-token entropy")
+        partials.means["entropy"] = doc_mean_numerator(entropy)
+
+    ratio, log_ratio = units.ratio.to(f64), units.log_ratio.to(f64)
+    mean_weight, count_weight = units.mean_weight.to(f64), units.count_weight.to(f64)
+    outside = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).to(f64)
+    partials.means["ratio_new_old"] = (mean_weight * ratio).sum()
+    partials.means["kl_new_old"] = (mean_weight * (ratio - 1 - log_ratio)).sum()
+    partials.means["clipped_ratio_fraction"] = (mean_weight * outside).sum()
+    partials.sums["ratio_new_old_sum"] = (count_weight * ratio).sum()
+    partials.sums["ratio_new_old_squared_sum"] = (count_weight * ratio.square()).sum()
+    if loss == "gspo":
+        partials.sums["num_segments"] = count_weight.sum()
+
+    labelled = mask > 0
+    adv = advantages.detach().to(f64)
+
+    def labelled_extreme(fill, reduce):
+        # the fill value stands for "no labelled token" and is dropped in finalize_metrics
+        return reduce(torch.cat([torch.where(labelled, adv, fill), adv.new_tensor([fill])]))
+
+    partials.maxima["max_advantage"] = labelled_extreme(-math.inf, torch.max)
+    partials.minima["min_advantage"] = labelled_extreme(math.inf, torch.min)
+    return partials
+
+
+def finalize_metrics(partials: MetricPartials, totals: StepTotals) -> dict[str, torch.Tensor]:
+    """Turn the step's combined partials into metric values.
+
+    ``max_advantage``/``min_advantage`` are left out of a step with no labelled token (there is no
+    value to report, and a placeholder would be wrong).
+    """
+    documents = totals.documents.to(torch.float64).clamp(min=1)
+    out = {
+        "num_documents": totals.documents.to(torch.float64),
+        "num_tokens": totals.tokens.to(torch.float64),
+    }
+    out |= {name: value / documents for name, value in partials.means.items()}
+    out |= dict(partials.sums)
+    out |= {k: v for k, v in (partials.maxima | partials.minima).items() if torch.isfinite(v)}
+    return out

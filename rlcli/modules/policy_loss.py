@@ -1,0 +1,118 @@
+"""The step loss: per-token losses × aggregation weights, for a micro-batch or a whole step."""
+
+from __future__ import annotations
+
+import torch
+
+from rlcli.modules.aggregation import StepTotals, check_aggregation_options, token_weights
+from rlcli.modules.losses import check_loss_options, per_token_loss
+from rlcli.modules.metrics import (
+    MetricPartials,
+    check_metrics_level,
+    finalize_metrics,
+    metric_partials,
+)
+from rlcli.modules.segments import Segments
+
+
+def check_policy_loss_options(
+    *, loss: str, aggregation: str, divisor: float | None, eps_low: float, eps_high: float, metrics: str
+) -> None:
+    """Raise ``ValueError`` naming the first invalid option."""
+    check_loss_options(loss, eps_low, eps_high)
+    check_aggregation_options(aggregation, divisor)
+    check_metrics_level(metrics)
+
+
+def _check_shapes(named: dict[str, torch.Tensor | None]) -> None:
+    shape = named["logprobs"].shape
+    if len(shape) != 1:
+        raise ValueError(f"logprobs must be a flat [N] tensor; got shape {tuple(shape)}")
+    for name, tensor in named.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}; got {tuple(tensor.shape)}")
+
+
+def micro_batch_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    document_index: torch.Tensor,
+    totals: StepTotals,
+    group_index: torch.Tensor | None = None,
+    *,
+    loss: str = "grpo",
+    aggregation: str = "token_mean",
+    divisor: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    metrics: str = "basic",
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, MetricPartials]:
+    """This micro-batch's share of the step loss ``L`` and its metric partials.
+
+    The micro-batch holds whole documents; ``totals`` are the whole step's (all micro-batches,
+    all ranks) and ``group_index`` uses the step's group numbering. Summing the returned losses
+    (and their gradients) over every micro-batch of the step gives exactly ``L`` (and ``∇L``).
+    Options are validated by ``check_policy_loss_options``.
+    """
+    _check_shapes(
+        dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+             document_index=document_index, group_index=group_index, entropy=entropy)
+    )
+    mask = mask.to(logprobs.dtype)
+    segments = Segments.of(document_index)
+    losses, units = per_token_loss(
+        logprobs, old_logprobs, advantages, mask, segments,
+        loss=loss, eps_low=eps_low, eps_high=eps_high,
+    )  # [N]
+    weights = token_weights(
+        mask, segments, totals, aggregation=aggregation, divisor=divisor, group_index=group_index
+    )  # [N]
+    partials = metric_partials(
+        logprobs, old_logprobs, advantages, mask, segments, units,
+        loss=loss, eps_low=eps_low, eps_high=eps_high, metrics=metrics, entropy=entropy,
+    )
+    return (weights * losses).sum(), partials
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    document_index: torch.Tensor,
+    group_index: torch.Tensor | None = None,
+    *,
+    loss: str = "grpo",
+    aggregation: str = "token_mean",
+    divisor: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    metrics: str = "basic",
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss ``L`` of SPEC §3–§4 and the metrics of SPEC §6 for one whole step.
+
+    All tensors are flat ``[N]`` over the step's tokens: ``mask`` is 1 for labelled tokens,
+    ``document_index`` the document of each token, ``group_index`` its group (any integer ids).
+    ``loss`` carries autograd to ``logprobs``; metric values are detached float64 scalars.
+    """
+    check_policy_loss_options(
+        loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high, metrics=metrics
+    )
+    if aggregation == "prompt_mean" and group_index is None:
+        raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
+    if group_index is not None:
+        group_ids, group_index = torch.unique(group_index, return_inverse=True)
+        num_groups = group_ids.numel()
+    else:
+        num_groups = 0
+    totals = StepTotals.of_tokens(mask, Segments.of(document_index), group_index, num_groups)
+    step_loss, partials = micro_batch_loss(
+        logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
+        loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high,
+        metrics=metrics, entropy=entropy,
+    )
+    return step_loss, {"loss": step_loss.detach().to(torch.float64)} | finalize_metrics(partials, totals)
