@@ -75,6 +75,11 @@ class StepTotals:
             group_tokens=group_tokens,
         )
 
+    @classmethod
+    def zeros(cls, num_groups: int = 0) -> "StepTotals":
+        zero = torch.zeros((), dtype=torch.float64)
+        return cls(zero, zero, torch.zeros(num_groups, dtype=torch.float64), torch.zeros(num_groups, dtype=torch.float64))
+
     def __add__(self, other: "StepTotals") -> "StepTotals":
         return StepTotals(
             documents=self.documents + other.documents,

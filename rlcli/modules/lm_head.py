@@ -70,25 +70,26 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden, dtype=acc_dtype) if need_hidden else None  # [N, H]
         grad_weight = torch.zeros_like(weight, dtype=acc_dtype) if need_weight else None  # [V, H]
         w = weight.to(compute_dtype)
-        for start, end in _chunk_bounds(hidden.shape[0], chunk_tokens):
-            h = hidden[start:end].to(compute_dtype)  # [C, H]
-            log_p, safe_labels, valid = _chunk_softmax(
-                h, w, labels[start:end], temperature, compute_dtype
-            )
-            p = log_p.exp()  # [C, V]
-            g_lp = torch.where(valid, grad_logprobs[start:end], torch.zeros_like(log_p[:, 0]))  # [C]
-            # d lp / d z_j = (1[j = y] - p_j) / T
-            g_logits = -p * g_lp[:, None]  # [C, V]
-            g_logits.scatter_add_(1, safe_labels[:, None], g_lp[:, None])
-            if with_entropy and grad_entropy is not None:
-                g_ent = torch.where(valid, grad_entropy[start:end], torch.zeros_like(g_lp))  # [C]
-                # d H / d z_j = -p_j (log p_j + H) / T
-                g_logits -= p * (log_p + entropy[start:end, None]) * g_ent[:, None]
-            g_logits = (g_logits / temperature).to(compute_dtype)  # [C, V]
-            if need_hidden:
-                grad_hidden[start:end] = g_logits @ w  # [C, H]
-            if need_weight:
-                grad_weight += g_logits.T @ h  # [V, H]
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start, end in _chunk_bounds(hidden.shape[0], chunk_tokens):
+                h = hidden[start:end].to(compute_dtype)  # [C, H]
+                log_p, safe_labels, valid = _chunk_softmax(
+                    h, w, labels[start:end], temperature, compute_dtype
+                )
+                p = log_p.exp()  # [C, V]
+                g_lp = torch.where(valid, grad_logprobs[start:end], torch.zeros_like(log_p[:, 0]))  # [C]
+                # d lp / d z_j = (1[j = y] - p_j) / T
+                g_logits = -p * g_lp[:, None]  # [C, V]
+                g_logits.scatter_add_(1, safe_labels[:, None], g_lp[:, None])
+                if with_entropy and grad_entropy is not None:
+                    g_ent = torch.where(valid, grad_entropy[start:end], torch.zeros_like(g_lp))  # [C]
+                    # d H / d z_j = -p_j (log p_j + H) / T
+                    g_logits -= p * (log_p + entropy[start:end, None]) * g_ent[:, None]
+                g_logits = (g_logits / temperature).to(compute_dtype)  # [C, V]
+                if need_hidden:
+                    grad_hidden[start:end] = g_logits @ w  # [C, H]
+                if need_weight:
+                    grad_weight += g_logits.T @ h  # [V, H]
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_weight:
@@ -136,6 +137,12 @@ def token_logprobs(
         )
     if labels.numel() and int(labels.max()) >= weight.shape[0]:
         raise ValueError(f"labels must be < vocab size {weight.shape[0]}, got {int(labels.max())}")
-    return _TokenLogprobs.apply(
-        hidden, weight, labels.long(), float(temperature), fp32, chunk_tokens, with_entropy
-    )
+    device_type = hidden.device.type
+    if not fp32 and torch.is_autocast_enabled(device_type):
+        # mixed precision: the head runs in the autocast dtype, as the model's own head would
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _TokenLogprobs.apply(
+            hidden, weight, labels.long(), float(temperature), fp32, chunk_tokens, with_entropy
+        )

@@ -1,0 +1,50 @@
+"""``metrics.csv`` in the run directory: one row per optimizer step, a ``step`` column first."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class MetricsCSVLogger(Logger):
+    """A Lightning logger that keeps every row and rewrites the header when a new metric appears."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.columns: list[str] = ["step"]
+        self.rows: list[dict] = []
+
+    @property
+    def name(self) -> str:
+        return "metrics_csv"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """The resolved config is saved as ``config.yaml`` by `rlcli train`; nothing to do here."""
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        row = {"step": step, **metrics}
+        new_columns = [k for k in row if k not in self.columns]
+        self.columns += new_columns
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if new_columns or len(self.rows) == 1:
+            self._write(self.rows, mode="w", header=True)
+        else:
+            self._write([row], mode="a", header=False)
+
+    def _write(self, rows: list[dict], mode: str, header: bool) -> None:
+        with self.path.open(mode, newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            if header:
+                writer.writeheader()
+            writer.writerows(rows)

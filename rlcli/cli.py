@@ -1,0 +1,63 @@
+"""`rlcli <command>`: a thin dispatcher; each command imports what it needs only when run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = """usage: rlcli <command> [args]
+
+commands:
+  train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
+  data check FILE...        validate rollout files and print a summary
+"""
+
+
+def _train(args: list[str]) -> int:
+    from rlcli import train
+
+    sys.argv = [f"{sys.argv[0]} train", *args]
+    try:
+        train.hydra_main()
+    except SystemExit as exit:
+        # Hydra exits with 1 on composition errors (unknown group option or key) before our task
+        # runs: those are config errors, exit 2 like every other one.
+        if exit.code == 1 and not train.task_started:
+            return 2
+        return exit.code if isinstance(exit.code, int) else 1
+    return 0
+
+
+def _data(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlcli data", description="Rollout file tools.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    check = sub.add_parser("check", help="validate rollout files (SPEC §7) and print a summary")
+    check.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
+    check.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
+    check.add_argument("--max-tokens", type=int, default=None, help="reject longer documents")
+    options = parser.parse_args(args)
+
+    from rich.console import Console
+
+    from rlcli.data.summary import data_check
+
+    return data_check(options.files, vocab_size=options.vocab_size, max_tokens=options.max_tokens, console=Console())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return _train(rest)
+    if command == "data":
+        return _data(rest)
+    print(f"rlcli: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The typed schema of `rlcli train`'s config: one dataclass per config group option.
+
+`rlcli.conf.validate` checks a composed config against these classes and reports every problem at
+once. Bounds live in each field's metadata: ``ge``/``gt``/``le``/``lt``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+DTYPES = Literal["float32", "bfloat16", "float16"]
+SCHEDULES = Literal["constant", "cosine"]
+
+
+def bounded(**bounds) -> dict:
+    """Field metadata with numeric bounds, e.g. ``field(metadata=bounded(ge=0))``."""
+    return field(metadata=bounds)
+
+
+@dataclass
+class LossConfig:
+    name: Literal["grpo", "gspo"]
+    eps_low: float = bounded(ge=0, lt=1)
+    eps_high: float = bounded(ge=0)
+    temperature: float = bounded(gt=0)
+    fp32_lm_head: bool
+    chunk_tokens: int = bounded(ge=0)
+
+
+@dataclass
+class AggregationConfig:
+    name: Literal["token_mean", "sample_mean", "prompt_mean", "constant"]
+    divisor: Optional[float] = bounded(gt=0)
+
+
+@dataclass
+class MetricsConfig:
+    level: Literal["none", "basic", "with_entropy"]
+
+
+@dataclass
+class TinyModelConfig:
+    kind: Literal["tiny"]
+    vocab_size: int = bounded(ge=2)
+    hidden_size: int = bounded(ge=1)
+    intermediate_size: int = bounded(ge=1)
+    num_layers: int = bounded(ge=1)
+    num_heads: int = bounded(ge=1)
+    max_position_embeddings: int = bounded(ge=1)
+    dtype: DTYPES
+    gradient_checkpointing: bool
+
+
+@dataclass
+class HFModelConfig:
+    kind: Literal["hf"]
+    path: str
+    dtype: DTYPES
+    gradient_checkpointing: bool
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
+    trust_remote_code: bool
+
+
+@dataclass
+class RolloutDataConfig:
+    kind: Literal["rollouts"]
+    paths: list[str]
+    max_tokens: int = bounded(ge=2)
+    shuffle: bool
+    epochs: int = bounded(ge=1)
+    on_invalid: Literal["error", "skip"]
+    allow_temperature_mismatch: bool
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: Literal["none", "grpo", "dr_grpo"]
+    eps: float = bounded(gt=0)
+
+
+@dataclass
+class AdamWConfig:
+    name: Literal["adamw"]
+    lr: float = bounded(gt=0)
+    weight_decay: float = bounded(ge=0)
+    betas: list[float]
+    eps: float = bounded(gt=0)
+    schedule: SCHEDULES
+    warmup_steps: int = bounded(ge=0)
+    min_lr_ratio: float = bounded(ge=0, le=1)
+
+
+@dataclass
+class SGDConfig:
+    name: Literal["sgd"]
+    lr: float = bounded(gt=0)
+    momentum: float = bounded(ge=0)
+    weight_decay: float = bounded(ge=0)
+    schedule: SCHEDULES
+    warmup_steps: int = bounded(ge=0)
+    min_lr_ratio: float = bounded(ge=0, le=1)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = bounded(ge=1)
+    accumulate_microbatches: int = bounded(ge=1)
+    grad_clip: float = bounded(ge=0)
+    precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"]
+    accelerator: Literal["auto", "cpu", "gpu"]
+    devices: int = bounded(ge=1)
+    checkpoint_every: int = bounded(ge=0)
+
+
+@dataclass
+class StrategyConfig:
+    name: Literal["auto"]
+
+
+@dataclass
+class LoggerConfig:
+    name: Literal["csv", "none"]
+
+
+@dataclass
+class TrainConfig:
+    seed: int = bounded(ge=0)
+    loss: LossConfig
+    aggregation: AggregationConfig
+    metrics: MetricsConfig
+    model: Union[TinyModelConfig, HFModelConfig]
+    data: RolloutDataConfig
+    advantage: AdvantageConfig
+    optimizer: Union[AdamWConfig, SGDConfig]
+    trainer: TrainerConfig
+    strategy: StrategyConfig
+    logger: LoggerConfig

@@ -1,0 +1,126 @@
+"""Pack whole documents, in order, into micro-batches of at most ``max_tokens`` tokens (SPEC §1)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlcli.data.errors import DataError
+from rlcli.data.schema import Rollout
+
+__all__ = ["IGNORE_INDEX", "MicroBatch", "make_micro_batch", "pack_documents"]
+
+IGNORE_INDEX = -100
+"""Label of a position that is not trained on (the ``ignore_index`` convention of PyTorch)."""
+
+
+@dataclass
+class MicroBatch:
+    """Documents concatenated into one row of ``L`` tokens, without padding.
+
+    A causal LM's logits at position ``i`` predict token ``i + 1``, so every per-position
+    target describes the *next* token: ``labels[i]`` is token ``i + 1`` when that token is a
+    completion token of the same document with ``completion_mask == 1``, else ``IGNORE_INDEX``;
+    ``old_logprobs[i]`` and ``advantages[i]`` belong to that label token (0 where there is none).
+    ``position_ids`` restart at 0 for every document.
+    """
+
+    input_ids: torch.Tensor  # [L] long
+    position_ids: torch.Tensor  # [L] long
+    labels: torch.Tensor  # [L] long
+    old_logprobs: torch.Tensor  # [L] float32
+    advantages: torch.Tensor  # [L] float32
+    mask: torch.Tensor  # [L] float32, 1.0 where labels >= 0
+    document_index: torch.Tensor  # [L] long, 0-based document within this micro-batch
+    documents: list[Rollout]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.documents)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_labelled(self) -> int:
+        return int(self.mask.sum().item())
+
+    def group_index(self, group_to_index: Mapping[Hashable, int]) -> torch.Tensor:
+        """``[L]`` long: ``group_to_index[group_id]`` of each position's document (key ``None`` if it has none)."""
+        per_document = torch.tensor([group_to_index[d.group_id] for d in self.documents], dtype=torch.long)  # [D]
+        return per_document[self.document_index]  # [L]
+
+
+def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
+    """Concatenate ``rollouts`` (each with advantages set) into one ``MicroBatch``."""
+    if not rollouts:
+        raise ValueError("a micro-batch needs at least one document")
+    input_ids: list[int] = []
+    position_ids: list[int] = []
+    labels: list[int] = []
+    old_logprobs: list[float] = []
+    advantages: list[float] = []
+    document_index: list[int] = []
+    for d, doc in enumerate(rollouts):
+        if doc.advantages is None:
+            raise ValueError(f"{doc.source}: rollout has no advantages; apply an advantage estimator first")
+        input_ids += doc.prompt_ids + doc.completion_ids
+        position_ids += range(doc.num_tokens)
+        document_index += [d] * doc.num_tokens
+        # Prompt positions before the last predict prompt tokens: no label.
+        before = len(doc.prompt_ids) - 1
+        labels += [IGNORE_INDEX] * before
+        old_logprobs += [0.0] * before
+        advantages += [0.0] * before
+        # From the last prompt token on, position i predicts completion token i + 1.
+        for token, keep, old, adv in zip(doc.completion_ids, doc.completion_mask, doc.old_logprobs, doc.advantages):
+            labels.append(token if keep else IGNORE_INDEX)
+            old_logprobs.append(old if keep else 0.0)
+            advantages.append(adv if keep else 0.0)
+        # The document's last token predicts nothing inside the document.
+        labels.append(IGNORE_INDEX)
+        old_logprobs.append(0.0)
+        advantages.append(0.0)
+    labels_tensor = torch.tensor(labels, dtype=torch.long)  # [L]
+    return MicroBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        position_ids=torch.tensor(position_ids, dtype=torch.long),
+        labels=labels_tensor,
+        old_logprobs=torch.tensor(old_logprobs, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        mask=(labels_tensor >= 0).to(torch.float32),
+        document_index=torch.tensor(document_index, dtype=torch.long),
+        documents=list(rollouts),
+    )
+
+
+def pack_documents(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
+    """Yield micro-batches of whole documents, in order, each of at most ``max_tokens`` tokens.
+
+    Sequential greedy: a new micro-batch starts when the next document does not fit. Keeping
+    the order makes streaming and exact resume simple. A document longer than ``max_tokens``
+    raises ``DataError`` (validation with ``data.max_tokens`` rejects these earlier).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    return _pack(rollouts, max_tokens)
+
+
+def _pack(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
+    pending: list[Rollout] = []
+    used = 0
+    for doc in rollouts:
+        if doc.num_tokens > max_tokens:
+            raise DataError(
+                f"{doc.source}: document has {doc.num_tokens} tokens, more than max_tokens={max_tokens}"
+            )
+        if used + doc.num_tokens > max_tokens:
+            yield make_micro_batch(pending)
+            pending, used = [], 0
+        pending.append(doc)
+        used += doc.num_tokens
+    if pending:
+        yield make_micro_batch(pending)

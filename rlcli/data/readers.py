@@ -1,0 +1,232 @@
+"""Read rollout files (JSON Lines, Parquet), validate every record and report the rejected ones."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlcli.data.errors import DataError, RecordError, format_problem
+from rlcli.data.schema import Rollout, validate_record
+
+__all__ = [
+    "DataError",
+    "Rejection",
+    "check_temperature",
+    "collect_rollouts",
+    "expand_paths",
+    "load_rollouts",
+    "read_records",
+    "write_rejections",
+]
+
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED_SUFFIXES = JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
+MAX_LISTED_PROBLEMS = 20
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass
+class Rejection:
+    """A record that was not accepted: where it is, why, and the raw record (``None`` if unparsable)."""
+
+    source: str
+    field: str | None
+    reason: str
+    record: Mapping[str, Any] | None
+
+    def __str__(self) -> str:
+        return format_problem(self.source, self.field, self.reason)
+
+
+def expand_paths(patterns: Sequence[str | Path]) -> list[Path]:
+    """Turn file names and glob patterns into a list of rollout files.
+
+    ``~`` is expanded. The matches of a glob are sorted; patterns keep their given order and a
+    file named twice is read once. A pattern that matches no file, or a file whose extension
+    is not one of ``.jsonl``, ``.json`` (JSON Lines) or ``.parquet``, raises ``DataError``.
+    """
+    if not patterns:
+        raise DataError("no rollout files given")
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for pattern in patterns:
+        for path in _expand_one(str(pattern)):
+            if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+                raise DataError(
+                    f"{path}: unsupported file type '{path.suffix}' "
+                    f"(expected one of {', '.join(SUPPORTED_SUFFIXES)})"
+                )
+            key = path.resolve()
+            if key not in seen:
+                seen.add(key)
+                files.append(path)
+    return files
+
+
+def _expand_one(pattern: str) -> list[Path]:
+    expanded = str(Path(pattern).expanduser())
+    if _GLOB_CHARS.isdisjoint(expanded):
+        path = Path(expanded)
+        if path.is_dir():
+            raise DataError(f"{pattern}: is a directory, give files or a glob such as '{pattern}/*.jsonl'")
+        if not path.is_file():
+            raise DataError(f"{pattern}: no such file")
+        return [path]
+    matches = [Path(p) for p in sorted(glob.glob(expanded, recursive=True)) if Path(p).is_file()]
+    if not matches:
+        raise DataError(f"{pattern}: matches no file")
+    return matches
+
+
+def read_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | RecordError]]:
+    """Yield ``(source, record)`` for every record of one file, unvalidated.
+
+    A JSON line that cannot be parsed, or is not an object, yields a ``RecordError`` in place of
+    the record so that the caller can report it with the others. Blank lines are skipped.
+    A file that cannot be opened or is not valid Parquet raises ``DataError``.
+    """
+    path = Path(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        yield from _read_parquet(path)
+    else:
+        yield from _read_json_lines(path)
+
+
+def _read_json_lines(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | RecordError]]:
+    try:
+        handle = path.open("rb")
+    except OSError as err:
+        raise DataError(f"{path}: cannot open ({err.strerror})") from None
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            source = f"{path}:{number}"
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)  # NaN and Infinity parse; validation rejects them
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                yield source, RecordError(source, None, f"invalid JSON: {err}")
+                continue
+            if not isinstance(record, dict):
+                kind = type(record).__name__ if record is not None else "null"
+                yield source, RecordError(source, None, f"expected a JSON object per line, got {kind}")
+                continue
+            yield source, record
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches()
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield f"{path}:row {row}", record
+                row += 1
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: cannot read Parquet file ({err})") from None
+
+
+def collect_rollouts(
+    files: Sequence[Path], *, vocab_size: int, max_tokens: int | None = None
+) -> tuple[list[Rollout], list[Rejection]]:
+    """Validate every record of ``files`` in order: the valid documents and the rejections.
+
+    Valid documents get ``index`` 0, 1, 2, ... in reading order. Never raises for a bad record.
+    """
+    rollouts: list[Rollout] = []
+    rejections: list[Rejection] = []
+    for path in files:
+        for source, record in read_records(path):
+            if isinstance(record, RecordError):
+                rejections.append(Rejection(source, record.field, record.reason, None))
+                continue
+            try:
+                rollout = validate_record(
+                    record, source=source, index=len(rollouts), vocab_size=vocab_size, max_tokens=max_tokens
+                )
+            except RecordError as err:
+                rejections.append(Rejection(source, err.field, err.reason, record))
+                continue
+            rollouts.append(rollout)
+    return rollouts, rejections
+
+
+def load_rollouts(
+    patterns: Sequence[str | Path],
+    *,
+    vocab_size: int,
+    max_tokens: int | None = None,
+    on_invalid: str = "error",
+) -> tuple[list[Rollout], list[Rejection]]:
+    """Read and validate all rollout files named by ``patterns`` (see ``expand_paths``).
+
+    ``on_invalid="error"`` raises ``DataError`` listing every invalid record;
+    ``on_invalid="skip"`` returns the valid documents and the rejections (the caller writes and
+    counts them). No valid document at all is a ``DataError`` in both modes.
+    """
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
+    files = expand_paths(patterns)
+    rollouts, rejections = collect_rollouts(files, vocab_size=vocab_size, max_tokens=max_tokens)
+    if rejections and on_invalid == "error":
+        raise DataError(_rejections_message(rejections, num_valid=len(rollouts)))
+    if not rollouts:
+        names = ", ".join(str(f) for f in files)
+        raise DataError(f"no valid documents in {names} ({len(rejections)} invalid records)")
+    return rollouts, rejections
+
+
+def _rejections_message(rejections: Sequence[Rejection], num_valid: int) -> str:
+    lines = [f"{len(rejections)} invalid records (data.on_invalid=error):"]
+    for rejection in rejections[:MAX_LISTED_PROBLEMS]:
+        lines.append(f"  {rejection}")
+    if len(rejections) > MAX_LISTED_PROBLEMS:
+        lines.append(f"  ... and {len(rejections) - MAX_LISTED_PROBLEMS} more")
+    lines.append(
+        f"Fix them, or set data.on_invalid=skip to train on the {num_valid} valid records "
+        "and write the rejected ones to the run directory."
+    )
+    return "\n".join(lines)
+
+
+def write_rejections(rejections: Sequence[Rejection], path: str | Path) -> None:
+    """Write one JSON line per rejection: ``source``, ``field``, ``reason`` and the raw ``record``.
+
+    Records may hold NaN or Infinity (written as JSON's ``NaN``/``Infinity``, which ``json.loads``
+    reads back) and, from Parquet, values JSON cannot hold (written as strings).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for rejection in rejections:
+            handle.write(json.dumps(asdict(rejection), allow_nan=True, default=str) + "\n")
+
+
+def check_temperature(rollouts: Sequence[Rollout], temperature: float, *, allow_mismatch: bool = False) -> int:
+    """Check that rollouts carrying a sampler ``temperature`` match ``loss.temperature``.
+
+    Returns the number of mismatching rollouts. Unless ``allow_mismatch``, a mismatch raises
+    ``DataError``: the importance ratio would compare distributions at different temperatures.
+    """
+    mismatched = [
+        r
+        for r in rollouts
+        if r.temperature is not None and not math.isclose(r.temperature, temperature, rel_tol=0, abs_tol=1e-6)
+    ]
+    if mismatched and not allow_mismatch:
+        first = mismatched[0]
+        raise DataError(
+            f"{first.source}: sampled at temperature {first.temperature} but loss.temperature={temperature} "
+            f"({len(mismatched)} rollouts differ). Set loss.temperature={first.temperature} to match "
+            "the sampler, or data.allow_temperature_mismatch=true to train anyway."
+        )
+    return len(mismatched)

@@ -1,0 +1,104 @@
+"""One rank's documents in training order, packed into micro-batches on demand.
+
+Every rank computes the same seeded order of the whole dataset for each epoch and keeps every
+``world_size``-th document from its ``rank`` on, so ranks never share a document. Documents handed
+out in a micro-batch can be given back (``give_back``) and come out first next time, which is how
+``docs_per_step`` exact mode carries surplus documents over without losing or repeating any.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.schema import Rollout
+
+
+class DocumentStream:
+    def __init__(
+        self,
+        rollouts: Sequence[Rollout],
+        *,
+        max_tokens: int,
+        shuffle: bool,
+        seed: int,
+        epochs: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.rollouts = rollouts
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epochs = epochs
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.offset = 0  # position in this rank's share of the current epoch
+        self.carried: deque[Rollout] = deque()  # given back, served before the epoch order
+        self._share = self._epoch_share(0)
+
+    def _epoch_share(self, epoch: int) -> list[int]:
+        """This rank's document indices for ``epoch``, in training order."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(len(self.rollouts), generator=generator).tolist()
+        else:
+            order = list(range(len(self.rollouts)))
+        return order[self.rank :: self.world_size]
+
+    def _peek(self) -> Rollout | None:
+        if self.carried:
+            return self.carried[0]
+        while self.offset >= len(self._share):
+            if self.epoch + 1 >= self.epochs:
+                return None
+            self.epoch += 1
+            self.offset = 0
+            self._share = self._epoch_share(self.epoch)
+        return self.rollouts[self._share[self.offset]]
+
+    def _pop(self) -> None:
+        if self.carried:
+            self.carried.popleft()
+        else:
+            self.offset += 1
+
+    def next_micro_batch(self) -> MicroBatch | None:
+        """The next documents that fit in ``max_tokens`` (in order), or ``None`` when none is left."""
+        taken: list[Rollout] = []
+        used = 0
+        while (doc := self._peek()) is not None and used + doc.num_tokens <= self.max_tokens:
+            taken.append(doc)
+            used += doc.num_tokens
+            self._pop()
+        if not taken and doc is not None:
+            raise ValueError(f"{doc.source}: {doc.num_tokens} tokens exceed max_tokens={self.max_tokens}")
+        return make_micro_batch(taken) if taken else None
+
+    def next_micro_batches(self, count: int) -> list[MicroBatch]:
+        """Up to ``count`` micro-batches (fewer only when the data is used up)."""
+        batches = []
+        while len(batches) < count and (batch := self.next_micro_batch()) is not None:
+            batches.append(batch)
+        return batches
+
+    def give_back(self, documents: Sequence[Rollout]) -> None:
+        """Put ``documents`` back at the front, in order: they are served next."""
+        self.carried.extendleft(reversed(documents))
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "carried": [doc.index for doc in self.carried],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = state["epoch"], state["offset"]
+        self._share = self._epoch_share(self.epoch)
+        by_index = {doc.index: doc for doc in self.rollouts}
+        self.carried = deque(by_index[i] for i in state["carried"])

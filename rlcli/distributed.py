@@ -1,0 +1,50 @@
+"""Every collective of the training step, in one place. All are no-ops in a single process.
+
+Gradient reduction policy: data-parallel strategies (DDP, FSDP) average gradients over ranks,
+while each rank's loss is its exact share of the step loss L (SPEC §4). The loss is therefore
+multiplied by the world size before backward (`gradient_scale`), so that after the averaging the
+gradient in the parameters is exactly ∇L.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def gradient_scale() -> float:
+    """Factor on each rank's loss that turns the strategy's gradient average into a sum."""
+    return float(world_size())
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` with ``op`` in {"sum", "max", "min"}; returns it."""
+    if world_size() > 1:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=reduce_op)
+    return tensor
+
+
+def all_gather_objects(obj) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]``."""
+    if world_size() == 1:
+        return [obj]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def step_group_numbering(local_groups: Sequence[Hashable]) -> dict[Hashable, int]:
+    """The same ``group_id -> index`` map on every rank: groups numbered in order of first
+    appearance, rank 0's first."""
+    numbering: dict[Hashable, int] = {}
+    for groups in all_gather_objects(list(dict.fromkeys(local_groups))):
+        for group in groups:
+            numbering.setdefault(group, len(numbering))
+    return numbering

@@ -1,0 +1,70 @@
+"""Build the policy: a tiny random-init causal LM from a config, or a local Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from rlcli.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_model_config(cfg: DictConfig):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_policy(cfg: DictConfig) -> torch.nn.Module:
+    """The causal LM described by ``cfg.model`` (seed the RNG first for a reproducible tiny model)."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.kind == "tiny":
+        model = AutoModelForCausalLM.from_config(tiny_model_config(cfg)).to(DTYPES[cfg.dtype])
+    else:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.path: {path} is not a Hugging Face checkpoint directory (no config.json)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=DTYPES[cfg.dtype],
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        except (OSError, ValueError) as err:
+            raise UserError(f"model.path: cannot load {path}: {err}") from None
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise UserError("model: LM heads with a bias are not supported (rlcli computes the head itself)")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    return model
+
+
+def save_tokenizer_if_any(cfg: DictConfig, out_dir: Path) -> bool:
+    """Copy the checkpoint's tokenizer files next to an export; False if it has none."""
+    if cfg.kind != "hf":
+        return False
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(Path(cfg.path).expanduser(), trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return False
+    tokenizer.save_pretrained(out_dir)
+    return True

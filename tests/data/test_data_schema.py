@@ -1,0 +1,90 @@
+"""validate_record builds the right Rollout from a valid record (the broken rules are in test_data_readers)."""
+
+import pytest
+
+from rlcli.data.schema import RecordError, Rollout, validate_record
+
+VOCAB = 50
+
+
+def validate(raw, max_tokens=None):
+    return validate_record(raw, source="f.jsonl:7", index=4, vocab_size=VOCAB, max_tokens=max_tokens)
+
+
+def test_valid_record_becomes_rollout(record):
+    rollout = validate(record(completion_mask=[1, 0], temperature=0.7, old_logprobs=[-0.5, 0]))
+    assert rollout == Rollout(
+        prompt_ids=(1, 2, 3),
+        completion_ids=(4, 5),
+        old_logprobs=(-0.5, 0.0),
+        advantages=None,
+        reward=1.0,
+        group_id="g0",
+        completion_mask=(1, 0),
+        temperature=0.7,
+        source="f.jsonl:7",
+        index=4,
+    )
+    assert rollout.num_tokens == 5
+    assert rollout.num_labelled == 1
+    assert all(type(v) is float for v in rollout.old_logprobs)  # an int 0 is read as 0.0
+
+
+def test_defaults_when_optional_fields_absent(record):
+    rollout = validate(record(drop=("group_id",), advantages=[0.5, -1]))
+    assert rollout.completion_mask == (1, 1)
+    assert rollout.group_id is None and rollout.temperature is None
+    assert rollout.advantages == (0.5, -1.0)
+
+
+def test_scalar_advantage_is_expanded_to_every_completion_token(record):
+    rollout = validate(record(completion_ids=[4, 5, 6], old_logprobs=[-1, -1, -1], advantage=-0.25))
+    assert rollout.advantages == (-0.25, -0.25, -0.25)
+
+
+def test_null_counts_as_absent_and_extra_fields_are_ignored(record):
+    raw = record(advantage=None, advantages=[1.0, 2.0], temperature=None, sampler_step=12, text="hi")
+    rollout = validate(raw)
+    assert rollout.advantages == (1.0, 2.0)
+    assert rollout.temperature is None
+
+
+def test_boolean_mask_values_are_accepted(record):
+    assert validate(record(completion_mask=[True, False])).completion_mask == (1, 0)
+
+
+def test_int_group_id_and_token_at_vocab_edge(record):
+    rollout = validate(record(group_id=3, prompt_ids=[0, VOCAB - 1]))
+    assert rollout.group_id == 3
+    assert rollout.prompt_ids == (0, VOCAB - 1)
+
+
+def test_max_tokens_exactly_fits_and_one_over_is_rejected(record):
+    assert validate(record(), max_tokens=5).num_tokens == 5
+    with pytest.raises(RecordError) as info:
+        validate(record(), max_tokens=4)
+    assert info.value.field == "completion_ids"
+    assert "5 tokens" in info.value.reason and "data.max_tokens=4" in info.value.reason
+
+
+def test_record_error_message_format():
+    err = RecordError("a.jsonl:3", "reward", "missing (required)")
+    assert str(err) == "a.jsonl:3: field 'reward': missing (required)"
+    assert isinstance(err, ValueError)
+    assert str(RecordError("a.jsonl:4", None, "invalid JSON")) == "a.jsonl:4: invalid JSON"
+
+
+def test_first_broken_field_is_reported(record):
+    with pytest.raises(RecordError) as info:
+        validate(record(prompt_ids=[], reward="x"))
+    assert info.value.field == "prompt_ids"
+
+
+def test_with_advantages_returns_a_copy(record):
+    rollout = validate(record())
+    updated = rollout.with_advantages([1, 2])
+    assert updated.advantages == (1.0, 2.0)
+    assert rollout.advantages is None
+    assert updated.source == rollout.source and updated.index == rollout.index
+    with pytest.raises(ValueError, match="f.jsonl:7"):
+        rollout.with_advantages([1.0])
