@@ -36,8 +36,9 @@ def _log_through_root_once() -> None:
                 logging.getLogger(name).removeHandler(handler)
 
 
-def train(cfg: DictConfig, run_dir: Path) -> Path:
-    """Train as ``cfg`` says, writing everything into ``run_dir``; returns the export directory."""
+def train(cfg: DictConfig, run_dir: Path):
+    """Train as ``cfg`` says, writing everything into ``run_dir`` (the export in
+    ``run_dir/export``); returns the trained `PolicyModule`."""
     import lightning as L
 
     from rlcli.build import build_module, build_rollouts, build_trainer
@@ -60,7 +61,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Path:
         save_tokenizer_if_any(cfg.model, export_dir)
         log.info("trained %d steps on %d documents; policy exported to %s",
                  trainer.global_step, module.documents_seen, export_dir)
-    return export_dir
+    return module
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -11,9 +11,10 @@ from typing import Any, Literal, Union
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from rlcli.conf.schema import TrainConfig
+from rlcli.errors import UserError
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A user's config is invalid. ``problems`` lists each as ``"key.path: what is wrong"``."""
 
     def __init__(self, problems: list[str]):
@@ -110,7 +111,7 @@ def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> N
             problems.append(f"{prefix}{key}: unknown key (valid keys: {', '.join(fields)})")
     for name, f in fields.items():
         key_path = f"{prefix}{name}"
-        if name not in node:
+        if name not in node.keys():
             problems.append(f"{key_path}: missing")
         elif OmegaConf.is_missing(node, name):
             problems.append(f"{key_path}: is required (set {key_path}=...)")

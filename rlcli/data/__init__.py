@@ -1,0 +1,1 @@
+"""Rollout data: the record schema and its validation, file readers, packing into micro-batches."""

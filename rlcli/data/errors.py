@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from rlcli.errors import UserError
 
-class DataError(Exception):
+
+class DataError(UserError):
     """A user-facing data problem: the CLI prints the message and exits with code 2, no traceback."""
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rlcli.data.errors import DataError
 from rlcli.data.schema import Rollout
 
-__all__ = ["IGNORE_INDEX", "MicroBatch", "make_micro_batch", "pack_documents"]
+__all__ = ["IGNORE_INDEX", "MicroBatch", "make_micro_batch"]
 
 IGNORE_INDEX = -100
 """Label of a position that is not trained on (the ``ignore_index`` convention of PyTorch)."""
@@ -49,8 +48,12 @@ class MicroBatch:
         return int(self.mask.sum().item())
 
     def group_index(self, group_to_index: Mapping[Hashable, int]) -> torch.Tensor:
-        """``[L]`` long: ``group_to_index[group_id]`` of each position's document (key ``None`` if it has none)."""
-        per_document = torch.tensor([group_to_index[d.group_id] for d in self.documents], dtype=torch.long)  # [D]
+        """``[L]`` long: ``group_to_index[group_id]`` of each position's document.
+
+        A document without a group id is looked up under ``None``; a missing key raises ``KeyError``.
+        """
+        groups = [group_to_index[doc.group_id] for doc in self.documents]
+        per_document = torch.tensor(groups, dtype=torch.long)  # [D]
         return per_document[self.document_index]  # [L]
 
 
@@ -76,7 +79,8 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
         old_logprobs += [0.0] * before
         advantages += [0.0] * before
         # From the last prompt token on, position i predicts completion token i + 1.
-        for token, keep, old, adv in zip(doc.completion_ids, doc.completion_mask, doc.old_logprobs, doc.advantages):
+        completion = zip(doc.completion_ids, doc.completion_mask, doc.old_logprobs, doc.advantages)
+        for token, keep, old, adv in completion:
             labels.append(token if keep else IGNORE_INDEX)
             old_logprobs.append(old if keep else 0.0)
             advantages.append(adv if keep else 0.0)
@@ -95,32 +99,3 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
         document_index=torch.tensor(document_index, dtype=torch.long),
         documents=list(rollouts),
     )
-
-
-def pack_documents(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
-    """Yield micro-batches of whole documents, in order, each of at most ``max_tokens`` tokens.
-
-    Sequential greedy: a new micro-batch starts when the next document does not fit. Keeping
-    the order makes streaming and exact resume simple. A document longer than ``max_tokens``
-    raises ``DataError`` (validation with ``data.max_tokens`` rejects these earlier).
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    return _pack(rollouts, max_tokens)
-
-
-def _pack(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
-    pending: list[Rollout] = []
-    used = 0
-    for doc in rollouts:
-        if doc.num_tokens > max_tokens:
-            raise DataError(
-                f"{doc.source}: document has {doc.num_tokens} tokens, more than max_tokens={max_tokens}"
-            )
-        if used + doc.num_tokens > max_tokens:
-            yield make_micro_batch(pending)
-            pending, used = [], 0
-        pending.append(doc)
-        used += doc.num_tokens
-    if pending:
-        yield make_micro_batch(pending)

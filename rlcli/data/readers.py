@@ -125,9 +125,8 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(path).iter_batches()
         row = 0
-        for batch in batches:
+        for batch in pq.ParquetFile(path).iter_batches():
             for record in batch.to_pylist():
                 yield f"{path}:row {row}", record
                 row += 1
@@ -136,7 +135,7 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
 
 
 def collect_rollouts(
-    files: Sequence[Path], *, vocab_size: int, max_tokens: int | None = None
+    files: Sequence[Path], *, vocab_size: int | None, max_tokens: int | None = None
 ) -> tuple[list[Rollout], list[Rejection]]:
     """Validate every record of ``files`` in order: the valid documents and the rejections.
 
@@ -211,7 +210,9 @@ def write_rejections(rejections: Sequence[Rejection], path: str | Path) -> None:
             handle.write(json.dumps(asdict(rejection), allow_nan=True, default=str) + "\n")
 
 
-def check_temperature(rollouts: Sequence[Rollout], temperature: float, *, allow_mismatch: bool = False) -> int:
+def check_temperature(
+    rollouts: Sequence[Rollout], temperature: float, *, allow_mismatch: bool = False
+) -> int:
     """Check that rollouts carrying a sampler ``temperature`` match ``loss.temperature``.
 
     Returns the number of mismatching rollouts. Unless ``allow_mismatch``, a mismatch raises

@@ -67,7 +67,7 @@ def validate_record(
     *,
     source: str,
     index: int,
-    vocab_size: int,
+    vocab_size: int | None,
     max_tokens: int | None = None,
 ) -> Rollout:
     """Check one raw record against every rule of SPEC §7 and return it as a ``Rollout``.
@@ -77,7 +77,8 @@ def validate_record(
     Unknown extra fields are allowed and ignored: samplers write their own bookkeeping.
     A scalar ``advantage`` is expanded to every completion token; a missing
     ``completion_mask`` means every completion token is trained on. With ``max_tokens``, a
-    document longer than that is rejected: a document is never split.
+    document longer than that is rejected: a document is never split. Without ``vocab_size``
+    (no model at hand, e.g. ``rlcli data check``) token ids are only checked to be >= 0.
     """
     try:
         return _parse(raw, source=source, index=index, vocab_size=vocab_size, max_tokens=max_tokens)
@@ -86,7 +87,7 @@ def validate_record(
 
 
 def _parse(
-    raw: Mapping[str, Any], *, source: str, index: int, vocab_size: int, max_tokens: int | None
+    raw: Mapping[str, Any], *, source: str, index: int, vocab_size: int | None, max_tokens: int | None
 ) -> Rollout:
     if not isinstance(raw, Mapping):
         raise _Invalid(None, f"expected an object with the rollout fields, got {_describe(raw)}")
@@ -140,14 +141,16 @@ def _list(value: Any, field: str, of: str) -> Sequence[Any]:
     return value
 
 
-def _token_ids(raw: Mapping[str, Any], field: str, vocab_size: int) -> tuple[int, ...]:
+def _token_ids(raw: Mapping[str, Any], field: str, vocab_size: int | None) -> tuple[int, ...]:
     values = _list(_required(raw, field), field, "token ids")
     if not values:
         raise _Invalid(field, "is empty, at least 1 token is required")
     for i, value in enumerate(values):
         if not _is_int(value):
             raise _Invalid(field, f"element {i} is {_describe(value)}, expected an int token id")
-        if not 0 <= value < vocab_size:
+        if value < 0:
+            raise _Invalid(field, f"element {i} is {value}, token ids must be >= 0")
+        if vocab_size is not None and value >= vocab_size:
             raise _Invalid(field, f"element {i} is {value}, outside the vocabulary [0, {vocab_size})")
     return tuple(values)
 
@@ -212,7 +215,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_KINDS = {bool: "a boolean", int: "an int", float: "a float", str: "a string", list: "a list", dict: "an object"}
+_KINDS = {
+    bool: "a boolean",
+    int: "an int",
+    float: "a float",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def _describe(value: Any) -> str:

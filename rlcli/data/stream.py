@@ -9,12 +9,22 @@ out in a micro-batch can be given back (``give_back``) and come out first next t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from rlcli.data.errors import DataError
 from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.schema import Rollout
+
+
+def pack_documents(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
+    """Whole documents, in order, in micro-batches of at most ``max_tokens`` tokens: a new
+    micro-batch starts when the next document does not fit (the rule of `DocumentStream`)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    stream = DocumentStream(list(rollouts), max_tokens=max_tokens, shuffle=False, seed=0, epochs=1)
+    return iter(stream.next_micro_batch, None)
 
 
 class DocumentStream:
@@ -76,7 +86,9 @@ class DocumentStream:
             used += doc.num_tokens
             self._pop()
         if not taken and doc is not None:
-            raise ValueError(f"{doc.source}: {doc.num_tokens} tokens exceed max_tokens={self.max_tokens}")
+            raise DataError(
+                f"{doc.source}: document has {doc.num_tokens} tokens, more than max_tokens={self.max_tokens}"
+            )
         return make_micro_batch(taken) if taken else None
 
     def next_micro_batches(self, count: int) -> list[MicroBatch]:

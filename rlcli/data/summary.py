@@ -63,10 +63,16 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def data_check(paths: Sequence[str | Path], vocab_size: int, max_tokens: int | None, console: Console) -> int:
-    """Validate rollout files, print the summary and every rejection; exit code 0 if all valid, else 2."""
+def data_check(
+    paths: Sequence[str | Path], vocab_size: int | None, max_tokens: int | None, console: Console
+) -> int:
+    """Validate rollout files, print the summary and every rejection; exit code 0 if all valid, else 2.
+
+    ``vocab_size=None`` checks token ids only for being >= 0.
+    """
     try:
-        rollouts, rejections = collect_rollouts(expand_paths(paths), vocab_size=vocab_size, max_tokens=max_tokens)
+        files = expand_paths(paths)
+        rollouts, rejections = collect_rollouts(files, vocab_size=vocab_size, max_tokens=max_tokens)
     except DataError as err:
         console.print(Text(f"error: {err}", style="red"))
         return 2

@@ -57,7 +57,7 @@ class StepTotals:
         segments: Segments,
         group_index: torch.Tensor | None = None,
         num_groups: int = 0,
-    ) -> "StepTotals":
+    ) -> StepTotals:
         """Totals of the given tokens; ``group_index`` [N] in ``[0, num_groups)``."""
         mask = mask.detach()
         dtype = torch.float64
@@ -76,11 +76,13 @@ class StepTotals:
         )
 
     @classmethod
-    def zeros(cls, num_groups: int = 0) -> "StepTotals":
-        zero = torch.zeros((), dtype=torch.float64)
-        return cls(zero, zero, torch.zeros(num_groups, dtype=torch.float64), torch.zeros(num_groups, dtype=torch.float64))
+    def zeros(cls, num_groups: int = 0) -> StepTotals:
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=torch.float64)
 
-    def __add__(self, other: "StepTotals") -> "StepTotals":
+        return cls(zeros(), zeros(), zeros(num_groups), zeros(num_groups))
+
+    def __add__(self, other: StepTotals) -> StepTotals:
         return StepTotals(
             documents=self.documents + other.documents,
             tokens=self.tokens + other.tokens,
@@ -95,7 +97,7 @@ class StepTotals:
         )
 
     @classmethod
-    def unflatten(cls, flat: torch.Tensor) -> "StepTotals":
+    def unflatten(cls, flat: torch.Tensor) -> StepTotals:
         num_groups = (flat.numel() - 2) // 2
         return cls(
             documents=flat[0],

@@ -57,12 +57,15 @@ def per_token_loss(
 
     Documents must be whole in the given tokens (GSPO takes each document's mean).
     """
-    log_ratio = (logprobs - old_logprobs) * mask  # [N]
+    labelled = mask > 0
+    # values under the mask (prompt, padding) may be anything, -inf and NaN included: never read them
+    log_ratio = torch.where(labelled, logprobs - old_logprobs, 0.0)  # [N]
+    advantages = torch.where(labelled, advantages, 0.0)  # [N]
     doc_tokens = segments.sum(mask)  # [S] n_d
     doc_norm = doc_tokens.clamp(min=1)  # [S]
     if loss == "grpo":
         ratio = torch.exp(log_ratio)  # [N]
-        losses = -_clipped_objective(ratio, advantages, eps_low, eps_high) * mask  # [N]
+        losses = torch.where(labelled, -_clipped_objective(ratio, advantages, eps_low, eps_high), 0.0)  # [N]
         units = RatioUnits(
             ratio=ratio.detach(),
             log_ratio=log_ratio.detach(),
@@ -73,7 +76,7 @@ def per_token_loss(
     # gspo: one sequence ratio per document; gradient flows through rho_d only.
     rho = segments.sum(log_ratio) / doc_norm  # [S]
     seq_ratio = torch.exp(rho)  # [S]
-    seq_advantage = (segments.sum(advantages.detach() * mask) / doc_norm).detach()  # [S]
+    seq_advantage = (segments.sum(advantages.detach()) / doc_norm).detach()  # [S]
     doc_loss = -_clipped_objective(seq_ratio, seq_advantage, eps_low, eps_high)  # [S]
     losses = segments.broadcast(doc_loss) * mask  # [N]
     has_tokens = (doc_tokens > 0).to(mask.dtype)  # [S]

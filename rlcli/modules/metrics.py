@@ -33,7 +33,7 @@ class MetricPartials:
     maxima: dict[str, torch.Tensor] = field(default_factory=dict)
     minima: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def __add__(self, other: "MetricPartials") -> "MetricPartials":
+    def __add__(self, other: MetricPartials) -> MetricPartials:
         def combine(a, b, op):
             return {k: op(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
 
@@ -68,8 +68,10 @@ def metric_partials(
     doc_norm = segments.sum(mask).clamp(min=1)  # [S]
     token_mean_weight = mask / segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
 
+    labelled = mask > 0
+
     def doc_mean_numerator(values):
-        return (token_mean_weight * values.detach().to(f64)).sum()
+        return (token_mean_weight * torch.where(labelled, values.detach().to(f64), 0.0)).sum()
 
     partials.means["old_logprobs"] = doc_mean_numerator(old_logprobs)
     partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
@@ -90,7 +92,6 @@ def metric_partials(
     if loss == "gspo":
         partials.sums["num_segments"] = count_weight.sum()
 
-    labelled = mask > 0
     adv = advantages.detach().to(f64)
 
     def labelled_extreme(fill, reduce):

@@ -102,6 +102,10 @@ def policy_loss(
     check_policy_loss_options(
         loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high, metrics=metrics
     )
+    _check_shapes(
+        dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
+             document_index=document_index, group_index=group_index, entropy=entropy)
+    )
     if aggregation == "prompt_mean" and group_index is None:
         raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
     if group_index is not None:

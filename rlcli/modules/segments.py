@@ -18,7 +18,7 @@ class Segments:
     count: int
 
     @classmethod
-    def of(cls, index: torch.Tensor) -> "Segments":
+    def of(cls, index: torch.Tensor) -> Segments:
         ids, inverse = torch.unique(index, return_inverse=True)
         return cls(inverse=inverse, count=int(ids.numel()))
 

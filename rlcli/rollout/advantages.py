@@ -54,7 +54,8 @@ def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str) -> li
       them unchanged.
     """
     if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r} (expected one of {', '.join(ESTIMATORS)})")
+        expected = ", ".join(ESTIMATORS)
+        raise ValueError(f"unknown advantage estimator {estimator!r} (expected one of: {expected})")
     pending = [i for i, r in enumerate(rollouts) if r.advantages is None]
     if estimator == "none":
         if pending:

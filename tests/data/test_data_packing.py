@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlcli.data.errors import DataError
-from rlcli.data.packing import make_micro_batch, pack_documents
+from rlcli.data.packing import make_micro_batch
 from rlcli.data.schema import Rollout
+from rlcli.data.stream import pack_documents
 
 
 def doc(prompt, completion, old=None, adv=None, mask=None, group_id=None, index=0):

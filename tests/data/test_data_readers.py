@@ -26,8 +26,9 @@ RULES = [
     ("prompt_empty", (), {"prompt_ids": []}, "prompt_ids", "empty", True),
     ("prompt_bool", (), {"prompt_ids": [1, True]}, "prompt_ids", "element 1 is True (a boolean)", False),
     ("prompt_float", (), {"prompt_ids": [1.0, 3.0]}, "prompt_ids", "element 0 is 1.0 (a float)", True),
-    ("prompt_out_of_vocab", (), {"prompt_ids": [1, 50]}, "prompt_ids", "element 1 is 50, outside the vocabulary [0, 50)", True),
-    ("prompt_negative", (), {"prompt_ids": [-1, 2]}, "prompt_ids", "element 0 is -1, outside", True),
+    ("prompt_out_of_vocab", (), {"prompt_ids": [1, 50]}, "prompt_ids", "element 1 is 50, outside the vocabulary [0, 50)",
+     True),
+    ("prompt_negative", (), {"prompt_ids": [-1, 2]}, "prompt_ids", "element 0 is -1, token ids must be >= 0", True),
     ("completion_missing", ("completion_ids",), {}, "completion_ids", "missing", True),
     ("completion_null", (), {"completion_ids": None}, "completion_ids", "null", False),
     ("completion_empty", (), {"completion_ids": [], "old_logprobs": []}, "completion_ids", "empty", True),
@@ -48,8 +49,10 @@ RULES = [
     ("reward_inf", (), {"reward": float("inf")}, "reward", "finite", True),
     ("group_id_float", (), {"group_id": 1.5}, "group_id", "string or an int", True),
     ("group_id_bool", (), {"group_id": True}, "group_id", "string or an int", True),
-    ("mask_value", (), {"completion_mask": [1, 2]}, "completion_mask", "element 1 is 2 (an int), expected 0 or 1", True),
+    ("mask_value", (), {"completion_mask": [1, 2]}, "completion_mask", "element 1 is 2 (an int), expected 0 or 1",
+     True),
     ("mask_fraction", (), {"completion_mask": [0.5, 1.0]}, "completion_mask", "expected 0 or 1", True),
+    ("mask_float", (), {"completion_mask": [1.0, 0.0]}, "completion_mask", "element 0 is 1.0 (a float)", True),
     ("mask_length", (), {"completion_mask": [1]}, "completion_mask", "has 1 values", True),
     ("temperature_zero", (), {"temperature": 0.0}, "temperature", "must be > 0", True),
     ("temperature_negative", (), {"temperature": -1.0}, "temperature", "must be > 0", True),
@@ -62,7 +65,9 @@ def _rule_params(parquet_only=False):
 
 
 @pytest.mark.parametrize("drop, overrides, field, reason", _rule_params())
-def test_jsonl_rule_error_names_file_line_field_and_reason(tmp_path, record, write_jsonl, drop, overrides, field, reason):
+def test_jsonl_rule_error_names_file_line_field_and_reason(
+    tmp_path, record, write_jsonl, drop, overrides, field, reason
+):
     # Line 2 is blank: line numbers count it, the broken record is on line 4.
     path = write_jsonl(tmp_path / "a.jsonl", [record(), "", record(), record(drop=drop, **overrides)])
     with pytest.raises(DataError) as info:
@@ -74,7 +79,9 @@ def test_jsonl_rule_error_names_file_line_field_and_reason(tmp_path, record, wri
 
 
 @pytest.mark.parametrize("drop, overrides, field, reason", _rule_params(parquet_only=True))
-def test_parquet_rule_error_names_file_row_field_and_reason(tmp_path, record, write_parquet, drop, overrides, field, reason):
+def test_parquet_rule_error_names_file_row_field_and_reason(
+    tmp_path, record, write_parquet, drop, overrides, field, reason
+):
     path = write_parquet(tmp_path / "b.parquet", [record(drop=drop, **overrides)])
     with pytest.raises(DataError) as info:
         load_rollouts([str(path)], vocab_size=VOCAB)
@@ -85,7 +92,7 @@ def test_parquet_rule_error_names_file_row_field_and_reason(tmp_path, record, wr
 
 def test_max_tokens_rule_in_file(tmp_path, record, write_jsonl):
     path = write_jsonl(tmp_path / "a.jsonl", [record(), record(prompt_ids=[1, 2, 3, 4])])
-    with pytest.raises(DataError, match=rf"a\.jsonl:2: field 'completion_ids': .*data\.max_tokens=5"):
+    with pytest.raises(DataError, match=r"a\.jsonl:2: field 'completion_ids': .*data\.max_tokens=5"):
         load_rollouts([path], vocab_size=VOCAB, max_tokens=5)
 
 
@@ -106,11 +113,11 @@ def test_jsonl_and_parquet_give_the_same_rollouts(tmp_path, record, write_jsonl,
     ]
     from_jsonl, _ = load_rollouts([write_jsonl(tmp_path / "a.jsonl", records)], vocab_size=VOCAB)
     from_parquet, _ = load_rollouts([write_parquet(tmp_path / "a.parquet", records)], vocab_size=VOCAB)
-    strip = [(r.prompt_ids, r.completion_ids, r.old_logprobs, r.advantages, r.completion_mask, r.group_id) for r in from_jsonl]
-    assert strip == [
-        (r.prompt_ids, r.completion_ids, r.old_logprobs, r.advantages, r.completion_mask, r.group_id) for r in from_parquet
-    ]
-    assert strip[0][3] == (0.5, -0.5)
+    def content(r):
+        return r.prompt_ids, r.completion_ids, r.old_logprobs, r.advantages, r.completion_mask, r.group_id, r.temperature
+
+    assert [content(r) for r in from_jsonl] == [content(r) for r in from_parquet]
+    assert from_parquet[0].advantages == (0.5, -0.5) and from_parquet[0].completion_mask == (1, 0)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +174,8 @@ def test_error_mode_lists_every_problem_in_one_message(tmp_path, record, write_j
     message = str(info.value)
     assert message.startswith("25 invalid records")
     listed = [line for line in message.splitlines() if "field 'reward'" in line]
-    assert listed == [f"  {path}:{n}: field 'reward': value is 'bad' (a string), expected a finite number" for n in range(2, 41, 2)]
+    reason = "value is 'bad' (a string), expected a finite number"
+    assert listed == [f"  {path}:{n}: field 'reward': {reason}" for n in range(2, 41, 2)]
     assert "... and 5 more" in message
     assert "data.on_invalid=skip" in message
 
@@ -185,7 +193,14 @@ def test_error_mode_lists_problems_of_all_files(tmp_path, record, write_jsonl, w
 def test_skip_mode_accounts_for_every_record(tmp_path, record, write_jsonl, write_parquet):
     a = write_jsonl(
         tmp_path / "a.jsonl",
-        [record(), "not json", record(old_logprobs=[-1.0, float("nan")]), "", record(group_id=1), record(prompt_ids=[])],
+        [
+            record(),
+            "not json",
+            record(old_logprobs=[-1.0, float("nan")]),
+            "",
+            record(group_id=1),
+            record(prompt_ids=[]),
+        ],
     )
     b = write_parquet(tmp_path / "b.parquet", [record(completion_mask=[1, 3]), record(reward=2.0)])
     rollouts, rejections = load_rollouts([a, b], vocab_size=VOCAB, on_invalid="skip")
@@ -212,7 +227,8 @@ def test_write_rejections_round_trips(tmp_path, record):
     write_rejections(rejections, path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 3
-    assert [(d["source"], d["field"], d["reason"]) for d in lines] == [(r.source, r.field, r.reason) for r in rejections]
+    expected = [(r.source, r.field, r.reason) for r in rejections]
+    assert [(d["source"], d["field"], d["reason"]) for d in lines] == expected
     assert lines[0]["record"] is None
     assert math.isnan(lines[1]["record"]["old_logprobs"][0])
     assert lines[1]["record"]["prompt_ids"] == [1, 2, 3]
@@ -262,7 +278,8 @@ def test_expand_paths_sorts_globs_and_deduplicates(tmp_path):
     _touch(tmp_path / "b.jsonl", tmp_path / "a.jsonl", tmp_path / "c.parquet", tmp_path / "sub" / "d.jsonl")
     d = tmp_path
     assert expand_paths([f"{d}/*.jsonl"]) == [d / "a.jsonl", d / "b.jsonl"]
-    assert expand_paths([f"{d}/c.parquet", f"{d}/*.jsonl", f"{d}/a.jsonl"]) == [d / "c.parquet", d / "a.jsonl", d / "b.jsonl"]
+    given_order = expand_paths([f"{d}/c.parquet", f"{d}/*.jsonl", f"{d}/a.jsonl"])
+    assert given_order == [d / "c.parquet", d / "a.jsonl", d / "b.jsonl"]
     assert expand_paths([f"{d}/**/*.jsonl"]) == [d / "a.jsonl", d / "b.jsonl", d / "sub" / "d.jsonl"]
 
 
@@ -302,6 +319,8 @@ def _with_temperatures(tmp_path, record, write_jsonl, temperatures):
 def test_temperature_within_tolerance_passes(tmp_path, record, write_jsonl):
     rollouts = _with_temperatures(tmp_path, record, write_jsonl, [0.7, None, 0.7000005])
     assert check_temperature(rollouts, 0.7) == 0
+    just_over = _with_temperatures(tmp_path, record, write_jsonl, [0.70001])
+    assert check_temperature(just_over, 0.7, allow_mismatch=True) == 1
 
 
 def test_temperature_mismatch_names_source_values_and_fix(tmp_path, record, write_jsonl):

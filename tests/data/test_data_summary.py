@@ -83,6 +83,14 @@ def test_data_check_applies_max_tokens(tmp_path, record, write_jsonl):
     assert "data.max_tokens=4" in output(con)
 
 
+def test_data_check_without_vocab_size_checks_only_negative_ids(tmp_path, record, write_jsonl):
+    path = write_jsonl(tmp_path / "a.jsonl", [record(prompt_ids=[10_000]), record(completion_ids=[-1, 2])])
+    con = console()
+    assert data_check([str(path)], None, None, con) == 2
+    assert f"{path}:2: field 'completion_ids': element 0 is -1, token ids must be >= 0" in output(con)
+    assert f"{path}:1" not in output(con)
+
+
 def test_data_check_all_valid_returns_0(tmp_path, record, write_jsonl):
     path = write_jsonl(tmp_path / "a.jsonl", [record(), record(group_id="g2")])
     con = console()

@@ -38,7 +38,8 @@ def test_groups_are_interleaved_and_independent():
     rewards = [1.0, 5.0, 3.0, 5.0, 0.0]
     groups = ["a", "b", "a", "b", 7]
     # a: mean 2, std 1; b: equal rewards; 7: a group of one
-    assert group_advantages(rewards, groups, "grpo") == pytest.approx([-1 / (1 + EPS), 0, 1 / (1 + EPS), 0, 0], rel=1e-12)
+    expected = [-1 / (1 + EPS), 0, 1 / (1 + EPS), 0, 0]
+    assert group_advantages(rewards, groups, "grpo") == pytest.approx(expected, rel=1e-12)
     assert group_advantages(rewards, groups, "dr_grpo") == [-1.0, 0.0, 1.0, 0.0, 0.0]
 
 
@@ -99,7 +100,7 @@ def test_apply_none_requires_advantages():
     ready = [rollout("a:1", advantages=(1.0, 1.0)), rollout("a:2", reward=1.0, advantages=(0.0, 0.5))]
     assert apply_advantage_estimator(ready, "none") == ready
     with pytest.raises(DataError, match=r"a:3: no 'advantage' .*advantage\.estimator=grpo"):
-        apply_advantage_estimator([*ready, rollout("a:3", reward=1.0, group_id="g"), rollout("a:4", reward=1.0)], "none")
+        apply_advantage_estimator([*ready, rollout("a:3", reward=1.0, group_id="g"), rollout("a:4")], "none")
 
 
 @pytest.mark.parametrize("missing", ["reward", "group_id"])

@@ -37,7 +37,8 @@ def _split_run(step, lp, entropy, index_of_mb, *, all_reduce_flat=False, **kw):
     num_groups = int(group_index.max()) + 1
     parts = []
     for idx in index_of_mb:
-        parts.append(StepTotals.of_tokens(step["mask"][idx], Segments.of(step["doc"][idx]), group_index[idx], num_groups))
+        segments = Segments.of(step["doc"][idx])
+        parts.append(StepTotals.of_tokens(step["mask"][idx], segments, group_index[idx], num_groups))
     if all_reduce_flat:
         totals = StepTotals.unflatten(torch.stack([p.flatten() for p in parts]).sum(0))
     else:

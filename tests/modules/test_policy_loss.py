@@ -349,6 +349,20 @@ def test_masked_tokens_contribute_nothing(loss, aggregation, divisor):
         assert metrics2[name].item() == pytest.approx(metrics[name].item(), rel=1e-13, abs=1e-15), name
 
 
+@pytest.mark.parametrize("loss", LOSSES)
+def test_non_finite_values_under_the_mask_are_ignored(loss):
+    step = make_step(3)
+    masked = step["mask"] == 0
+    value, g, _ = _grad(step, step["lp"], loss=loss, aggregation="token_mean", divisor=None)
+    other = dict(step)
+    other["old"] = torch.where(masked, torch.full_like(step["old"], -math.inf), step["old"])
+    other["adv"] = torch.where(masked, torch.full_like(step["adv"], math.nan), step["adv"])
+    value2, g2, metrics2 = _grad(other, other["lp"], loss=loss, aggregation="token_mean", divisor=None)
+    assert value2.item() == pytest.approx(value.item(), rel=1e-14)
+    assert torch.equal(g2, g)
+    assert all(torch.isfinite(v) for v in metrics2.values())
+
+
 @pytest.mark.parametrize(("loss", "aggregation", "divisor"), CASES, ids=CASE_IDS)
 def test_documents_without_labels_only_count_in_D(loss, aggregation, divisor):
     # adding a document without labelled tokens to a new group changes D (and P) but adds nothing

@@ -1,0 +1,113 @@
+"""Config groups compose, and every invalid config is reported in one message."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcli.conf.validate import ConfigError, validate_config
+from train_helpers import compose_train_config, run_rlcli
+
+GROUP_OPTIONS = [
+    "loss=grpo", "loss=gspo",
+    "aggregation=token_mean", "aggregation=sample_mean", "aggregation=prompt_mean",
+    "aggregation=constant aggregation.divisor=512",
+    "metrics=none", "metrics=basic", "metrics=with_entropy",
+    "model=tiny", "model=hf model.path=/some/checkpoint",
+    "data=rollouts", "optimizer=adamw", "optimizer=sgd", "trainer=default", "strategy=auto",
+    "logger=csv", "logger=none", "experiment=gspo_dr",
+]
+
+
+@pytest.mark.parametrize("overrides", GROUP_OPTIONS)
+def test_every_group_option_composes_and_validates(overrides):
+    cfg = validate_config(compose_train_config(overrides.split()))
+    group, _, option = overrides.split()[0].partition("=")
+    if group == "experiment":
+        assert (cfg.loss.name, cfg.aggregation.name, cfg.aggregation.divisor) == ("gspo", "constant", 1)
+    else:
+        node = cfg[group]
+        assert option in (node.get("name"), node.get("level"), node.get("kind")) or group == "trainer"
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_train_config(overrides))
+    return info.value.problems
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("loss.eps_low=1.0", "loss.eps_low: must be < 1"),
+        ("loss.eps_low=-0.1", "loss.eps_low: must be >= 0"),
+        ("loss.eps_high=-0.5", "loss.eps_high: must be >= 0"),
+        ("loss.temperature=0", "loss.temperature: must be > 0"),
+        ("loss.temperature=nan", "loss.temperature: must be a finite number"),
+        ("loss.chunk_tokens=-1", "loss.chunk_tokens: must be >= 0"),
+        ("loss.fp32_lm_head=maybe", "loss.fp32_lm_head: expected bool"),
+        ("aggregation=constant", "aggregation.divisor: is required"),
+        ("aggregation=constant aggregation.divisor=0", "aggregation.divisor: must be > 0"),
+        ("aggregation=constant aggregation.divisor=inf", "aggregation.divisor: must be a finite number"),
+        ("aggregation=constant aggregation.divisor=null", "aggregation.divisor: is required for aggregation=constant"),
+        ("aggregation.divisor=4", "aggregation.divisor: only valid with aggregation=constant"),
+        ("trainer.max_steps=abc", "trainer.max_steps: expected int"),
+        ("trainer.max_steps=0", "trainer.max_steps: must be >= 1"),
+        ("trainer.precision=8-true", "trainer.precision: must be one of"),
+        ("data.on_invalid=ignore", "data.on_invalid: must be one of"),
+        ("data.paths=a.jsonl", "data.paths: expected a list"),
+        ("model=hf", "model.path: is required"),
+        ("optimizer.lr=-1", "optimizer.lr: must be > 0"),
+        ("advantage.estimator=ppo", "advantage.estimator: must be one of"),
+        ("+trainer.max_epochs=3", "trainer.max_epochs: unknown key"),
+        ("+lossy=1", "lossy: unknown key"),
+    ],
+)
+def test_each_invalid_value_is_named(override, expected):
+    problems = problems_of(override.split())
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_all_problems_are_reported_together():
+    problems = problems_of(["loss.eps_low=2", "trainer.max_steps=-3", "optimizer.lr=0", "+trainer.foo=1"])
+    assert len(problems) == 4, problems
+
+
+def test_valid_default_config_has_no_problem():
+    cfg = validate_config(compose_train_config())
+    assert cfg.loss.name == "grpo" and cfg.data.paths[0].endswith("toy_rollouts.jsonl")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["loss.eps_low=2", "trainer.max_steps=0"], "Invalid configuration (2 problems)"),
+        (["loss=ppo"], "Could not find 'loss/ppo'"),
+        (["trainer.max_epochs=1"], "trainer.max_epochs"),
+        (["data.paths=[missing.jsonl]"], "missing.jsonl"),
+        (["model=hf", "model.path=/nonexistent"], "model.path: /nonexistent is not a Hugging Face checkpoint"),
+    ],
+)
+def test_cli_config_errors_exit_2_without_traceback(tmp_path, args, message):
+    result = run_rlcli(["train", *args], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    output = result.stdout + result.stderr
+    assert message in output
+    assert "Traceback" not in output
+
+
+def test_cli_cfg_job_prints_the_composed_config(tmp_path):
+    result = run_rlcli(["train", "loss=gspo", "--cfg", "job"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "name: gspo" in result.stdout and "aggregation:" in result.stdout
+
+
+def test_cli_help_lists_the_groups(tmp_path):
+    result = run_rlcli(["train", "--help"], cwd=tmp_path)
+    assert result.returncode == 0
+    for group in ("loss: grpo, gspo", "aggregation:", "metrics:", "model:"):
+        assert group in result.stdout
+
+
+def test_cli_unknown_command_exits_2(tmp_path):
+    result = run_rlcli(["fly"], cwd=tmp_path)
+    assert result.returncode == 2 and "unknown command 'fly'" in result.stderr

@@ -1,0 +1,45 @@
+"""Helpers for the tests of `rlcli train`: compose configs in-process, run the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def compose_train_config(overrides: list[str] = ()):
+    """The composed (unvalidated) `rlcli train` config, as Hydra builds it from the package."""
+    with initialize_config_module(config_module="rlcli.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_rlcli(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m rlcli ARGS`` in ``cwd``, output captured."""
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "rlcli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def rollout_record(group: int, prompt_len: int = 3, completion_len: int = 4, vocab: int = 64, **extra) -> dict:
+    """A valid record with a per-group reward (deterministic in its arguments)."""
+    return {
+        "prompt_ids": [(group * 7 + i) % vocab for i in range(prompt_len)],
+        "completion_ids": [(group * 5 + 3 * i + 1) % vocab for i in range(completion_len)],
+        "old_logprobs": [-4.0 - 0.01 * i for i in range(completion_len)],
+        "reward": float((group + completion_len) % 3),
+        "group_id": group % 4,
+        **extra,
+    }
