@@ -16,8 +16,10 @@ from rlcli.callbacks.metrics_csv import MetricsCSVLogger
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
-from rlcli.modules.policy_module import LossSettings, PolicyModule
+from rlcli.models import build_policy
+from rlcli.modules.policy_module import LossSettings, PolicyModule, StepSettings
 from rlcli.rollout.advantages import apply_advantage_estimator
+from rlcli.strategies import build_strategy
 
 log = logging.getLogger("rlcli")
 
@@ -83,29 +85,31 @@ def build_rollouts(cfg: DictConfig, vocab_size: int, run_dir: Path) -> list[Roll
     return rollouts
 
 
-def build_module(cfg: DictConfig, policy: torch.nn.Module, rollouts: list[Rollout]) -> PolicyModule:
+def build_module(cfg: DictConfig, policy: torch.nn.Module, rollouts: list[Rollout], shard=None) -> PolicyModule:
     def make_stream(rank: int, world_size: int) -> DocumentStream:
         return DocumentStream(
             rollouts, max_tokens=cfg.data.max_tokens, shuffle=cfg.data.shuffle, seed=cfg.seed,
             epochs=cfg.data.epochs, rank=rank, world_size=world_size,
         )
 
-    return PolicyModule(
-        policy,
-        loss_settings(cfg),
-        partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),
-        make_stream,
+    step_settings = StepSettings(
         accumulate_microbatches=cfg.trainer.accumulate_microbatches,
+        docs_per_step=cfg.trainer.docs_per_step,
+        exact=cfg.trainer.docs_per_step_mode == "exact",
         grad_clip=cfg.trainer.grad_clip,
+    )
+    return PolicyModule(
+        policy, loss_settings(cfg), step_settings,
+        partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps), make_stream, shard,
     )
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
     return L.Trainer(
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
-        strategy=cfg.strategy.name,
+        strategy=strategy,
         precision=cfg.trainer.precision,
         logger=[MetricsCSVLogger(run_dir / "metrics.csv")],
         callbacks=[StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)],
@@ -116,3 +120,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
+
+
+def build_training(cfg: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trainer]:
+    """Policy, data, module and trainer of a validated config (seed the RNGs first)."""
+    policy = build_policy(cfg.model)
+    rollouts = build_rollouts(cfg, policy.config.vocab_size, run_dir)
+    strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices)
+    return build_module(cfg, policy, rollouts, shard), build_trainer(cfg, run_dir, strategy)

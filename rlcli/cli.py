@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 USAGE = """usage: rlcli <command> [args]
@@ -13,10 +14,16 @@ commands:
 """
 
 
+RELAUNCH_COMMAND = "RLCLI_RELAUNCH_COMMAND"
+
+
 def _train(args: list[str]) -> int:
     from rlcli import train
 
-    sys.argv = [f"{sys.argv[0]} train", *args]
+    # Lightning starts the extra processes of a multi-process run by re-running this program with
+    # the Hydra overrides alone; the variable tells those processes which command they run.
+    sys.argv = [sys.argv[0], *args]
+    os.environ[RELAUNCH_COMMAND] = "train"
     try:
         train.hydra_main()
     except SystemExit as exit:
@@ -25,6 +32,8 @@ def _train(args: list[str]) -> int:
         if exit.code == 1 and not train.task_started:
             return 2
         return exit.code if isinstance(exit.code, int) else 1
+    finally:
+        os.environ.pop(RELAUNCH_COMMAND, None)
     return 0
 
 
@@ -44,16 +53,19 @@ def _data(args: list[str]) -> int:
     return data_check(options.files, vocab_size=options.vocab_size, max_tokens=options.max_tokens, console=Console())
 
 
+COMMANDS = {"train": _train, "data": _data}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        return _train(rest)
-    if command == "data":
-        return _data(rest)
+    if os.environ.get(RELAUNCH_COMMAND) and "LOCAL_RANK" in os.environ and command not in COMMANDS:
+        command, rest = os.environ[RELAUNCH_COMMAND], argv  # a process Lightning started
+    if command in COMMANDS:
+        return COMMANDS[command](rest)
     print(f"rlcli: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -8,6 +8,7 @@ gradient in the parameters is exactly ∇L.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -16,6 +17,10 @@ import torch.distributed as dist
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
 
 
 def gradient_scale() -> float:
@@ -29,6 +34,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op)
     return tensor
+
+
+def gather_counts(count: int, device: torch.device | None = None) -> list[int]:
+    """``[count of rank 0, count of rank 1, ...]`` on every rank (one all-reduce)."""
+    counts = torch.zeros(world_size(), dtype=torch.int64, device=device)
+    counts[rank()] = count
+    return all_reduce(counts, "sum").tolist()
 
 
 def all_gather_objects(obj) -> list:
@@ -48,3 +60,21 @@ def step_group_numbering(local_groups: Sequence[Hashable]) -> dict[Hashable, int
         for group in groups:
             numbering.setdefault(group, len(numbering))
     return numbering
+
+
+def clip_grad_norm(strategy, module: torch.nn.Module, max_norm: float) -> float:
+    """Clip the gradient of ``module`` to ``max_norm`` (0: no clipping); returns the norm before.
+
+    The norm is over the whole model on every strategy: FSDP1 asks its root wrapper, and DTensor
+    (FSDP2) gradients reduce their norm over the shards.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    limit = max_norm if max_norm > 0 else math.inf
+    if isinstance(strategy, FSDPStrategy):
+        norm = strategy.model.clip_grad_norm_(limit)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), limit)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

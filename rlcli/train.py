@@ -36,31 +36,39 @@ def _log_through_root_once() -> None:
                 logging.getLogger(name).removeHandler(handler)
 
 
+def export_policy(module, trainer, export_dir: Path, model_cfg: DictConfig) -> None:
+    """Write the trained policy in Hugging Face format (safetensors), gathered from every shard."""
+    from rlcli.models import save_tokenizer_if_any
+
+    prefix = "scorer.policy."
+    full = trainer.strategy.lightning_module_state_dict()  # a collective for sharded strategies
+    if trainer.is_global_zero:
+        state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        module.policy.save_pretrained(export_dir, state_dict=state)
+        save_tokenizer_if_any(model_cfg, export_dir)
+
+
 def train(cfg: DictConfig, run_dir: Path):
     """Train as ``cfg`` says, writing everything into ``run_dir`` (the export in
     ``run_dir/export``); returns the trained `PolicyModule`."""
     import lightning as L
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    from rlcli.build import build_module, build_rollouts, build_trainer
+    from rlcli.build import build_training
     from rlcli.conf.validate import validate_config
-    from rlcli.models import build_policy, save_tokenizer_if_any
 
     cfg = validate_config(cfg)
     _log_through_root_once()
     run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml")
+    if rank_zero_only.rank == 0:
+        OmegaConf.save(cfg, run_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    policy = build_policy(cfg.model)
-    rollouts = build_rollouts(cfg, policy.config.vocab_size, run_dir)
-    module = build_module(cfg, policy, rollouts)
-    trainer = build_trainer(cfg, run_dir)
+    module, trainer = build_training(cfg, run_dir)
     trainer.fit(module, train_dataloaders=_step_ticks())
-    export_dir = run_dir / "export"
+    export_policy(module, trainer, run_dir / "export", cfg.model)
     if trainer.is_global_zero:
-        module.policy.save_pretrained(export_dir)
-        save_tokenizer_if_any(cfg.model, export_dir)
         log.info("trained %d steps on %d documents; policy exported to %s",
-                 trainer.global_step, module.documents_seen, export_dir)
+                 module.steps_done, module.documents_seen, run_dir / "export")
     return module
 
 

@@ -164,7 +164,7 @@ def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
 
     def logprobs_of(batch):
         with torch.no_grad():
-            return module.token_logprobs(batch.input_ids, batch.position_ids, batch.labels)[0]
+            return module.scorer(batch.input_ids, batch.position_ids, batch.labels)[0]
 
     packed = logprobs_of(make_micro_batch(documents))
     alone = torch.cat([logprobs_of(make_micro_batch([doc])) for doc in documents])

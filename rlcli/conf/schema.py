@@ -111,11 +111,34 @@ class TrainerConfig:
     accelerator: Literal["auto", "cpu", "gpu"]
     devices: int = bounded(ge=1)
     checkpoint_every: int = bounded(ge=0)
+    docs_per_step: int = bounded(ge=0)
+    docs_per_step_mode: Literal["at_least", "exact"]
 
 
 @dataclass
-class StrategyConfig:
+class AutoStrategyConfig:
     name: Literal["auto"]
+
+
+@dataclass
+class DDPStrategyConfig:
+    name: Literal["ddp"]
+    process_group_backend: Optional[Literal["gloo", "nccl"]]
+
+
+@dataclass
+class FSDPStrategyConfig:
+    name: Literal["fsdp"]
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+    cpu_offload: bool
+    process_group_backend: Optional[Literal["gloo", "nccl"]]
+
+
+@dataclass
+class FSDP2StrategyConfig:
+    name: Literal["fsdp2"]
+    mixed_precision: Optional[Literal["bf16"]]
+    process_group_backend: Optional[Literal["gloo", "nccl"]]
 
 
 @dataclass
@@ -134,5 +157,5 @@ class TrainConfig:
     advantage: AdvantageConfig
     optimizer: Union[AdamWConfig, SGDConfig]
     trainer: TrainerConfig
-    strategy: StrategyConfig
+    strategy: Union[AutoStrategyConfig, DDPStrategyConfig, FSDPStrategyConfig, FSDP2StrategyConfig]
     logger: LoggerConfig

@@ -121,6 +121,12 @@ def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> N
 
 def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
     """Combinations of fields that the schema alone cannot express (SPEC §4)."""
+    strategy, trainer = cfg.get("strategy"), cfg.get("trainer")
+    if isinstance(strategy, DictConfig) and strategy.get("name") == "fsdp" and isinstance(trainer, DictConfig):
+        import torch
+
+        if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
+            problems.append("strategy: fsdp needs GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)")
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check

@@ -31,7 +31,10 @@ def _chunk_softmax(hidden, weight, labels, temperature, compute_dtype):
     """
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T  # [C, V]
     softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
-    log_p = torch.log_softmax(logits.to(softmax_dtype) / temperature, dim=-1)  # [C, V]
+    logits = logits.to(softmax_dtype)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    log_p = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # [C, V], in place
     valid = labels >= 0  # [C]
     safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # [C]
     return log_p, safe_labels, valid
@@ -76,20 +79,27 @@ class _TokenLogprobs(torch.autograd.Function):
                 log_p, safe_labels, valid = _chunk_softmax(
                     h, w, labels[start:end], temperature, compute_dtype
                 )
-                p = log_p.exp()  # [C, V]
                 g_lp = torch.where(valid, grad_logprobs[start:end], torch.zeros_like(log_p[:, 0]))  # [C]
-                # d lp / d z_j = (1[j = y] - p_j) / T
-                g_logits = -p * g_lp[:, None]  # [C, V]
-                g_logits.scatter_add_(1, safe_labels[:, None], g_lp[:, None])
+                # d lp / d z_j = (1[j = y] - p_j) / T ; d H / d z_j = -p_j (log p_j + H) / T
                 if with_entropy and grad_entropy is not None:
                     g_ent = torch.where(valid, grad_entropy[start:end], torch.zeros_like(g_lp))  # [C]
-                    # d H / d z_j = -p_j (log p_j + H) / T
-                    g_logits -= p * (log_p + entropy[start:end, None]) * g_ent[:, None]
-                g_logits = (g_logits / temperature).to(compute_dtype)  # [C, V]
+                    p = log_p.exp()  # [C, V]
+                    coef = log_p.add_(entropy[start:end, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
+                    g_logits = p.mul_(coef).neg_()  # [C, V]
+                    del coef
+                else:
+                    g_logits = log_p.exp_().mul_(-g_lp[:, None])  # [C, V], in place
+                g_logits.scatter_add_(1, safe_labels[:, None], g_lp[:, None])
+                if temperature != 1.0:
+                    g_logits.div_(temperature)
+                g_logits = g_logits.to(compute_dtype)
+                del log_p
                 if need_hidden:
                     grad_hidden[start:end] = g_logits @ w  # [C, H]
-                if need_weight:
-                    grad_weight += g_logits.T @ h  # [V, H]
+                if need_weight and grad_weight.dtype == g_logits.dtype:
+                    grad_weight.addmm_(g_logits.T, h)  # [V, H], no temporary
+                elif need_weight:
+                    grad_weight += g_logits.T @ h  # [V, H] half-precision product, float32 sum
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_weight:

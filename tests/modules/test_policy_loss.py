@@ -391,8 +391,9 @@ def test_documents_without_labels_only_count_in_D(loss, aggregation, divisor):
 def test_step_without_labelled_tokens(loss, aggregation, divisor, dtype):
     step = make_step(5)
     step["mask"] = torch.zeros_like(step["mask"])
+    entropy = 3 * torch.rand(len(step["lp"]), generator=torch.Generator().manual_seed(5), dtype=dtype)
     value, g, metrics = _grad(step, step["lp"].to(dtype), loss=loss, aggregation=aggregation,
-                              divisor=divisor, metrics="with_entropy", entropy=torch.rand(len(step["lp"])).to(dtype))
+                              divisor=divisor, metrics="with_entropy", entropy=entropy)
     assert value.item() == 0.0
     assert torch.all(g == 0)
     assert metrics["loss"].item() == 0.0 and metrics["num_tokens"].item() == 0

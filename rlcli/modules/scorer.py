@@ -1,0 +1,39 @@
+"""The policy as one module whose forward returns label log-probs: hidden states, then the head.
+
+Keeping the head inside a `forward` lets sharding wrappers (FSDP) gather and free the embedding,
+final norm and head weights around it like any other parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcli.modules.lm_head import token_logprobs
+
+
+class TokenScorer(torch.nn.Module):
+    """``forward(input_ids [L], position_ids [L], labels [L]) -> (logprobs [L], entropy [L] | None)``
+    for one packed row of whole documents (no attention across documents)."""
+
+    def __init__(self, policy: torch.nn.Module, *, temperature: float, fp32_lm_head: bool,
+                 chunk_tokens: int, with_entropy: bool) -> None:
+        super().__init__()
+        self.policy = policy
+        self.temperature = temperature
+        self.fp32_lm_head = fp32_lm_head
+        self.chunk_tokens = chunk_tokens
+        self.with_entropy = with_entropy
+
+    def forward(self, input_ids, position_ids, labels):
+        hidden = self.policy.base_model(
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
+        ).last_hidden_state[0]  # [L, H]
+        return token_logprobs(
+            hidden,
+            self.policy.get_output_embeddings().weight,
+            labels,
+            temperature=self.temperature,
+            fp32=self.fp32_lm_head,
+            chunk_tokens=self.chunk_tokens,
+            with_entropy=self.with_entropy,
+        )

@@ -1,0 +1,144 @@
+"""On-policy rollouts: sample groups of completions from the current policy, score them, and
+turn them into validated `Rollout` documents with group advantages (SPEC §7).
+
+Stateless: the prompts and samples of a step come from a seed derived from ``(seed, step, rank)``,
+so a resumed run regenerates exactly what it would have, given the same model weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcli.data.schema import Rollout, validate_record
+from rlcli.rollout.advantages import group_advantages
+from rlcli.rollout.sampler import sample_completions
+
+__all__ = ["OnPolicyRollouts", "save_jsonl", "step_seed"]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed for one step of one rank, well mixed so that neighbouring steps differ."""
+    digest = hashlib.sha256(f"rlcli-rollout/{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class OnPolicyRollouts:
+    """Generate one step of rollouts on ``task`` (see `rlcli.rollout.tasks` for the protocol).
+
+    Every rank draws its own ``prompts_per_step`` prompts and samples ``group_size`` completions
+    of each; a group is the completions of one prompt. ``estimator`` is ``"grpo"`` or ``"dr_grpo"``
+    (see `group_advantages`).
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        *,
+        prompts_per_step: int,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        estimator: str = "grpo",
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if prompts_per_step < 1 or group_size < 1:
+            raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
+        if estimator not in ("grpo", "dr_grpo"):
+            raise ValueError(f"estimator must be 'grpo' or 'dr_grpo', got {estimator!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.task = task
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.estimator = estimator
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def documents_per_step(self) -> int:
+        """Documents this rank generates per step."""
+        return self.prompts_per_step * self.group_size
+
+    def generate(self, model: torch.nn.Module, step: int) -> tuple[list[Rollout], dict[str, float]]:
+        """This rank's rollouts for ``step`` (grouped by prompt, in order) and their statistics:
+        mean ``reward``, ``accuracy`` (fraction exactly correct), mean ``completion_length`` and
+        ``stopped_fraction`` (completions that ended with eos)."""
+        step_rng = random.Random(step_seed(self.seed, step, self.rank))
+        prompts = self.task.sample_prompts(step_rng, self.prompts_per_step)
+        generator = torch.Generator().manual_seed(step_rng.getrandbits(63))
+        tokenizer = self.task.tokenizer
+        completions = sample_completions(
+            model,
+            [list(p.ids) for p in prompts for _ in range(self.group_size)],
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_ids=(tokenizer.eos_id,),
+            pad_id=tokenizer.pad_id,
+            generator=generator,
+        )
+        owners = [p for p in prompts for _ in range(self.group_size)]  # the prompt of each completion
+        rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
+        group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
+        advantages = group_advantages(rewards, group_ids, self.estimator)
+
+        first_index = (step * self.world_size + self.rank) * self.documents_per_step
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+        rollouts = []
+        for i, (prompt, completion) in enumerate(zip(owners, completions)):
+            record = {
+                "prompt_ids": list(prompt.ids),
+                "completion_ids": completion.ids,
+                "old_logprobs": [min(lp, 0.0) for lp in completion.logprobs],  # float error above 0
+                "advantages": [advantages[i]] * len(completion.ids),
+                "reward": rewards[i],
+                "group_id": group_ids[i],
+                "temperature": self.temperature,
+            }
+            source = f"rollout:step {step} rank {self.rank} #{i}"
+            rollouts.append(validate_record(record, source=source, index=first_index + i, vocab_size=vocab_size))
+
+        n = len(completions)
+        stats = {
+            "reward": sum(rewards) / n,
+            "accuracy": sum(self.task.is_correct(p, c.ids) for p, c in zip(owners, completions)) / n,
+            "completion_length": sum(len(c.ids) for c in completions) / n,
+            "stopped_fraction": sum(c.stopped for c in completions) / n,
+        }
+        return rollouts, stats
+
+
+def save_jsonl(rollouts: Sequence[Rollout], path: str | Path) -> None:
+    """Append ``rollouts`` to ``path`` as SPEC §7 JSON Lines records (readable by `load_rollouts`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as handle:
+        for r in rollouts:
+            record = {
+                "prompt_ids": list(r.prompt_ids),
+                "completion_ids": list(r.completion_ids),
+                "old_logprobs": list(r.old_logprobs),
+                "advantages": None if r.advantages is None else list(r.advantages),
+                "reward": r.reward,
+                "group_id": r.group_id,
+                "completion_mask": list(r.completion_mask),
+                "temperature": r.temperature,
+            }
+            handle.write(json.dumps({k: v for k, v in record.items() if v is not None}) + "\n")

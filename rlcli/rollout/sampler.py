@@ -1,0 +1,135 @@
+"""Batched autoregressive sampling from a Hugging Face causal LM, with the sampler's log-probs.
+
+The recorded log-probability of a sampled token is the log-softmax of ``logits / temperature``
+over the *full* vocabulary, also when ``top_k``/``top_p`` truncate the distribution the token is
+drawn from. That is the ``lp_t`` the trainer recomputes (SPEC §2), so the importance ratio is 1
+at the first update on fresh rollouts; truncation only changes which tokens get sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+__all__ = ["Completion", "sample_completions"]
+
+
+@dataclass
+class Completion:
+    """Sampled token ids (with the stop token if one was produced) and their log-probs."""
+
+    ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+    """Prompts right-aligned in one batch: ``input_ids, attention_mask, position_ids``, each ``[B, P]``."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P], 0 at the first real token
+    return input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+
+
+def _truncate(log_p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """``log_p [B, V]`` with tokens outside the top-k / nucleus set to ``-inf``."""
+    if top_k > 0 and top_k < log_p.shape[-1]:
+        kth = log_p.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        log_p = log_p.masked_fill(log_p < kth, float("-inf"))
+    if top_p < 1:
+        sorted_lp, order = log_p.sort(dim=-1, descending=True)  # [B, V]
+        mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # [B, V] probability ahead of each token
+        drop_sorted = mass_before >= top_p  # [B, V], never drops the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # [B, V] back in vocabulary order
+        log_p = log_p.masked_fill(drop, float("-inf"))
+    return log_p
+
+
+@torch.no_grad()
+def sample_completions(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    generator: torch.Generator,
+) -> list[Completion]:
+    """Sample one completion per prompt, all prompts in one left-padded batch with a KV cache.
+
+    A sequence stops after producing a token of ``stop_ids`` or ``max_new_tokens`` tokens; a
+    finished sequence is fed ``pad_id`` with attention mask 0, which no other sequence sees.
+    ``top_k = 0`` and ``top_p = 1`` switch truncation off. Random draws use ``generator`` only
+    (on any device), so a seeded generator reproduces the samples. Logits are taken in float32.
+    The model runs in eval mode and gets its previous mode back.
+    """
+    _check_options(max_new_tokens, temperature, top_p, top_k)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, each with at least one token")
+    device = next(model.parameters()).device
+    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)  # [S]
+    input_ids, attention_mask, position_ids = _left_pad(prompts, pad_id, device)
+    cache = DynamicCache(config=model.config)
+    batch = len(prompts)
+    active = torch.ones(batch, dtype=torch.bool, device=device)  # [B]
+    tokens, logprobs = [], []  # per step: [B] each
+
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            log_p = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
+            probs = _truncate(log_p, top_p, top_k).exp()  # [B, V]
+            drawn = torch.multinomial(probs.to(generator.device), 1, generator=generator)  # [B, 1]
+            token = drawn.to(device)[:, 0].masked_fill(~active, pad_id)  # [B]
+            tokens.append(token)
+            logprobs.append(log_p.gather(-1, token[:, None])[:, 0])  # [B]
+            was_active = active
+            active = active & ~torch.isin(token, stop)
+            if not active.any():
+                break
+            input_ids = token[:, None]  # [B, 1]
+            attention_mask = torch.cat([attention_mask, was_active[:, None].long()], dim=-1)  # [B, P + t]
+            position_ids = position_ids[:, -1:] + 1  # [B, 1]
+    finally:
+        model.train(was_training)
+
+    return _completions(torch.stack(tokens, 1), torch.stack(logprobs, 1), set(stop_ids))
+
+
+def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int]) -> list[Completion]:
+    """Cut ``tokens [B, N]`` / ``logprobs [B, N]`` after each row's first stop token."""
+    result = []
+    for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
+        ends = [i for i, token in enumerate(row_ids) if token in stop_ids]
+        length = ends[0] + 1 if ends else len(row_ids)
+        result.append(Completion(ids=row_ids[:length], logprobs=row_lp[:length], stopped=bool(ends)))
+    return result

@@ -1,0 +1,51 @@
+"""One rank of a 2-process CPU job (gloo) that runs several short `train()` calls in a row.
+
+Started by `launch.run_ranks` with torchrun-style variables, so Lightning joins the given process
+group instead of starting processes itself. Usage: ``dist_worker.py JOBS.json OUT_DIR``. Each job
+is ``{"name": ..., "overrides": [...]}``; for each, rank 0 saves ``OUT_DIR/NAME.pt`` with the
+final parameters, and every rank saves ``OUT_DIR/NAME.rank<R>.json`` with the document indices of
+each micro-batch it trained on, step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import rlcli.modules.policy_module as policy_module
+from rlcli import distributed
+from rlcli.step import collect_step
+from rlcli.train import train
+from train_helpers import compose_train_config
+
+
+def main(jobs_file: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    steps: list[list[list[int]]] = []
+
+    def recording_collect_step(*args, **kwargs):
+        step = collect_step(*args, **kwargs)
+        steps.append([[doc.index for doc in batch.documents] for batch in step.micro_batches])
+        return step
+
+    policy_module.collect_step = recording_collect_step
+    for job in json.loads(Path(jobs_file).read_text()):
+        steps.clear()
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        module = train(compose_train_config(job["overrides"]), out / job["name"])
+        (out / f"{job['name']}.rank{distributed.rank()}.json").write_text(json.dumps(steps))
+        if module.trainer.is_global_zero:
+            from transformers import AutoModelForCausalLM
+
+            exported = AutoModelForCausalLM.from_pretrained(out / job["name"] / "export")
+            torch.save({k: v.detach().clone() for k, v in exported.state_dict().items()}, out / f"{job['name']}.pt")
+        print(f"[dist_worker] job {job['name']} took {time.perf_counter() - started:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,141 @@
+"""SPEC §4–§5 on 2 CPU processes (gloo): one step on 2 ranks equals the whole step computed in
+float64 by one process, with DDP and FSDP2, and docs_per_step loses and repeats nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import lightning as L
+import pytest
+import torch
+from launch import run_ranks
+
+from rlcli.data.packing import make_micro_batch
+from rlcli.data.readers import load_rollouts
+from rlcli.models import build_policy
+from rlcli.modules import policy_loss
+from rlcli.modules.scorer import TokenScorer
+from rlcli.rollout.advantages import apply_advantage_estimator
+from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+LOSSES = ["grpo", "gspo"]
+AGGREGATIONS = [("token_mean", None), ("sample_mean", None), ("prompt_mean", None), ("constant", 6.0)]
+DOCS_PER_STEP = 9
+LR = 0.5
+
+
+def two_rank_overrides(data, strategy, *extra):
+    return [f"data.paths=[{data}]", f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu",
+            "logger=none", *extra]
+
+
+def reference_parameters(data, docs: list[int], loss: str, aggregation: str, divisor) -> dict:
+    """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all)."""
+    cfg = compose_train_config()
+    L.seed_everything(cfg.seed, verbose=False)
+    policy = build_policy(cfg.model).double()
+    rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
+    by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo")}
+    batch = make_micro_batch([by_index[i] for i in docs])
+    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
+    logprobs, _ = scorer(batch.input_ids, batch.position_ids, batch.labels)
+    numbering = {g: i for i, g in enumerate(dict.fromkeys(d.group_id for d in batch.documents))}
+    step_loss, _ = policy_loss(
+        logprobs, batch.old_logprobs.double(), batch.advantages.double(), batch.mask.double(),
+        batch.document_index, batch.group_index(numbering), loss=loss, aggregation=aggregation, divisor=divisor,
+    )
+    step_loss.backward()
+    with torch.no_grad():
+        return {name: p - LR * p.grad for name, p in policy.named_parameters()}, {
+            name: p.detach().clone() for name, p in policy.named_parameters()
+        }
+
+
+def first_step_documents(out, name) -> list[int]:
+    ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+    return sorted(i for rank in ranks for batch in rank[0] for i in batch)
+
+
+@pytest.fixture(scope="module")
+def spread_rollouts(tmp_path_factory):
+    """24 documents in 6 groups of different lengths and rewards."""
+    path = tmp_path_factory.mktemp("data") / "rollouts.jsonl"
+    rng = random.Random(3)
+    records = [rollout_record(g, prompt_len=rng.randint(2, 5), completion_len=rng.randint(2, 9)) for g in range(24)]
+    for i, r in enumerate(records):
+        r["group_id"] = i % 6
+        r["reward"] = rng.random()
+    return write_jsonl(path, records)
+
+
+def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_rollouts):
+    rng = random.Random(0)
+    jobs = []
+    for strategy in ("ddp", "fsdp2"):
+        for loss in LOSSES:
+            for aggregation, divisor in AGGREGATIONS:
+                name = f"{strategy}-{loss}-{aggregation}"
+                agg = [f"aggregation={aggregation}"] + ([f"aggregation.divisor={divisor}"] if divisor else [])
+                jobs.append({"name": name, "case": (loss, aggregation, divisor), "overrides": two_rank_overrides(
+                    spread_rollouts, strategy, f"loss={loss}", *agg, "optimizer=sgd", f"optimizer.lr={LR}",
+                    "trainer.grad_clip=0", "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
+                    f"data.max_tokens={rng.randint(14, 40)}",  # random micro-batch sizes
+                )})
+    run_ranks(jobs, tmp_path)
+    for job in jobs:
+        docs = first_step_documents(tmp_path, job["name"])
+        assert len(docs) >= DOCS_PER_STEP
+        expected, initial = reference_parameters(spread_rollouts, docs, *job["case"])
+        actual = torch.load(tmp_path / f"{job['name']}.pt")
+        update_error = sum((actual[k].double() - expected[k]).norm() ** 2 for k in expected) ** 0.5
+        update_size = sum((expected[k] - initial[k]).norm() ** 2 for k in expected) ** 0.5
+        param_size = sum(expected[k].norm() ** 2 for k in expected) ** 0.5
+        assert update_size > 1e-3, job["name"]  # the step really moved the parameters
+        assert update_error / param_size <= 1e-5, (job["name"], float(update_error / param_size))
+        assert update_error / update_size <= 1e-4, (job["name"], float(update_error / update_size))
+
+
+def test_docs_per_step_modes_lose_and_repeat_nothing_over_a_run(tmp_path, spread_rollouts):
+    common = ["trainer.max_steps=100", "data.max_tokens=25"]
+    modes = {
+        "exact": ["trainer.docs_per_step=5", "trainer.docs_per_step_mode=exact"],
+        "at_least": ["trainer.docs_per_step=5"],
+        "static": ["trainer.accumulate_microbatches=2"],
+    }
+    jobs = [
+        {"name": f"{strategy}-{mode}", "mode": mode,
+         "overrides": two_rank_overrides(spread_rollouts, strategy, *common, *extra)}
+        for strategy in ("ddp", "fsdp2") for mode, extra in modes.items()
+    ]
+    run_ranks(jobs, tmp_path)
+    for job in jobs:
+        ranks = [json.loads((tmp_path / f"{job['name']}.rank{r}.json").read_text()) for r in range(2)]
+        assert len(ranks[0]) == len(ranks[1])  # the ranks took the same steps
+        steps = [[batch for rank in ranks for batch in rank[s]] for s in range(len(ranks[0]))]
+        assert steps[-1] == []  # the run ended because every rank ran out of data
+        trained = [i for step in steps for batch in step for i in batch]
+        assert sorted(trained) == list(range(24)), job["name"]  # every document exactly once
+        sizes = [sum(len(b) for b in step) for step in steps[:-1]]
+        if job["mode"] == "exact":
+            assert sizes[:-1] == [5] * (len(sizes) - 1) and 0 < sizes[-1] <= 5, sizes
+        if job["mode"] == "at_least":
+            for s in range(len(sizes) - 1):
+                last_round = sum(len(rank[s][-1]) for rank in ranks if rank[s])
+                assert sizes[s] >= 5 and sizes[s] - last_round < 5, sizes  # the crossing round is kept, no more
+        rows = (tmp_path / job["name"] / "metrics.csv").read_text().splitlines()
+        assert len(rows) == 1 + len(sizes)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_cli_trains_on_two_cpu_processes(tmp_path, strategy):
+    result = run_rlcli(["train", "trainer.devices=2", "trainer.accelerator=cpu", f"strategy={strategy}",
+                        "trainer.max_steps=2", "trainer.docs_per_step=40"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    [run_dir] = list((tmp_path / "outputs").glob("*/*"))
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and (run_dir / "export" / "model.safetensors").is_file()
+    header = rows[0].split(",")
+    assert all(float(r.split(",")[header.index("num_documents")]) >= 40 for r in rows[1:])

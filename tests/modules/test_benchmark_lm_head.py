@@ -1,0 +1,43 @@
+"""Smoke test of ``benchmarks/lm_head.py`` at a tiny size (the real run is by hand, see its docstring)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import lm_head  # noqa: E402
+
+TINY = dict(tokens=48, hidden=8, vocab=64, repeats=5, warmup=1, dtype="float32", threads=1, doc_tokens=12)
+
+
+def test_worker_runs_every_path_and_agrees():
+    results = [lm_head._worker(TINY | {"chunk_tokens": chunk}) for chunk in (lm_head.NAIVE, 0, 5)]
+    for r in results:
+        assert len(r["times_s"]) == 5 and all(t > 0 for t in r["times_s"])
+        assert r["min_s"] <= r["median_s"]
+    losses = [r["loss"] for r in results]
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    table = lm_head.format_table(results, TINY | dict(torch="x", cpu="y"))
+    assert "naive" in table and "chunk_tokens=5" in table and "unchunked" in table
+
+
+def test_main_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    results = lm_head.main(["--tokens", "32", "--hidden", "8", "--vocab", "50", "--chunk-tokens", "7", "--no-naive",
+                            "--threads", "1", "--doc-tokens", "8", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == results and len(results) == 1
+    assert results[0]["chunk_tokens"] == 7 and results[0]["peak_extra_mib"] >= 0
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--chunk-tokens", "-1"], ["--tokens", "0"]])
+def test_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        lm_head.main(argv)
