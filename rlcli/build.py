@@ -12,10 +12,10 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
-from rlcli.callbacks.metrics_csv import MetricsCSVLogger
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
+from rlcli.loggers import build_loggers
 from rlcli.models import build_policy
 from rlcli.modules.policy_module import LossSettings, PolicyModule, StepSettings
 from rlcli.rollout.advantages import apply_advantage_estimator
@@ -111,7 +111,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
         devices=cfg.trainer.devices,
         strategy=strategy,
         precision=cfg.trainer.precision,
-        logger=[MetricsCSVLogger(run_dir / "metrics.csv")],
+        logger=build_loggers(cfg, run_dir),
         callbacks=[StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)],
         enable_checkpointing=False,
         default_root_dir=run_dir,

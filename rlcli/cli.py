@@ -53,7 +53,22 @@ def _data(args: list[str]) -> int:
     return data_check(options.files, vocab_size=options.vocab_size, max_tokens=options.max_tokens, console=Console())
 
 
-COMMANDS = {"train": _train, "data": _data}
+def _report(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlcli report", description="Plot a run's metrics; plot and tabulate the members of a multirun."
+    )
+    parser.add_argument("path", help="a run directory (with metrics.csv) or a multirun directory (rlcli train -m)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write the files into DIR instead of PATH")
+    options = parser.parse_args(args)
+
+    from rich.console import Console
+
+    from rlcli.report import report_command
+
+    return report_command(options.path, options.out, console=Console())
+
+
+COMMANDS = {"train": _train, "data": _data, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

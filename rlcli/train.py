@@ -56,6 +56,7 @@ def train(cfg: DictConfig, run_dir: Path):
 
     from rlcli.build import build_training
     from rlcli.conf.validate import validate_config
+    from rlcli.loggers import finish_loggers
 
     cfg = validate_config(cfg)
     _log_through_root_once()
@@ -64,8 +65,11 @@ def train(cfg: DictConfig, run_dir: Path):
         OmegaConf.save(cfg, run_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, trainer = build_training(cfg, run_dir)
-    trainer.fit(module, train_dataloaders=_step_ticks())
-    export_policy(module, trainer, run_dir / "export", cfg.model)
+    try:
+        trainer.fit(module, train_dataloaders=_step_ticks())
+        export_policy(module, trainer, run_dir / "export", cfg.model)
+    finally:
+        finish_loggers(trainer.loggers)
     if trainer.is_global_zero:
         log.info("trained %d steps on %d documents; policy exported to %s",
                  module.steps_done, module.documents_seen, run_dir / "export")

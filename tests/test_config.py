@@ -14,7 +14,8 @@ GROUP_OPTIONS = [
     "metrics=none", "metrics=basic", "metrics=with_entropy",
     "model=tiny", "model=hf model.path=/some/checkpoint",
     "data=rollouts", "optimizer=adamw", "optimizer=sgd", "trainer=default", "strategy=auto",
-    "logger=csv", "logger=none", "experiment=gspo_dr",
+    "logger=csv", "logger=none", "logger=wandb", "logger=tensorboard", "logger=[wandb,tensorboard]",
+    "strategy=ddp", "strategy=fsdp2", "experiment=gspo_dr",
 ]
 
 
@@ -24,6 +25,8 @@ def test_every_group_option_composes_and_validates(overrides):
     group, _, option = overrides.split()[0].partition("=")
     if group == "experiment":
         assert (cfg.loss.name, cfg.aggregation.name, cfg.aggregation.divisor) == ("gspo", "constant", 1)
+    elif group == "logger":
+        assert set(cfg.logger) == set(option.strip("[]").split(",")) - {"csv", "none"}
     else:
         node = cfg[group]
         assert option in (node.get("name"), node.get("level"), node.get("kind")) or group == "trainer"

@@ -20,9 +20,11 @@ def compose_train_config(overrides: list[str] = ()):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def run_rlcli(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m rlcli ARGS`` in ``cwd``, output captured."""
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+def run_rlcli(
+    args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled"
+) -> subprocess.CompletedProcess:
+    """``python -m rlcli ARGS`` in ``cwd``, output captured; wandb never goes online."""
+    env = dict(os.environ, WANDB_MODE=wandb_mode, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", "rlcli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -142,8 +142,27 @@ class FSDP2StrategyConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str
+    entity: Optional[str]
+    name: Optional[str]
+    group: Optional[str]
+    tags: list[str]
+    notes: Optional[str]
+    mode: Optional[Literal["online", "offline", "disabled"]]
+
+
+@dataclass
+class TensorBoardConfig:
+    subdir: str
+
+
+@dataclass
 class LoggerConfig:
-    name: Literal["csv", "none"]
+    """Each present key turns one logger on (``logger=[wandb,tensorboard]``)."""
+
+    wandb: Optional[WandbConfig]
+    tensorboard: Optional[TensorBoardConfig]
 
 
 @dataclass

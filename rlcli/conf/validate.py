@@ -112,7 +112,8 @@ def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> N
     for name, f in fields.items():
         key_path = f"{prefix}{name}"
         if name not in node.keys():
-            problems.append(f"{key_path}: missing")
+            if type(None) not in typing.get_args(hints[name]):  # an Optional field may be left out
+                problems.append(f"{key_path}: missing")
         elif OmegaConf.is_missing(node, name):
             problems.append(f"{key_path}: is required (set {key_path}=...)")
         else:

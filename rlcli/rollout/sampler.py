@@ -56,8 +56,9 @@ def _truncate(log_p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
         log_p = log_p.masked_fill(log_p < kth, float("-inf"))
     if top_p < 1:
         sorted_lp, order = log_p.sort(dim=-1, descending=True)  # [B, V]
-        mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # [B, V] probability ahead of each token
-        drop_sorted = mass_before >= top_p  # [B, V], never drops the most likely token
+        mass = sorted_lp.exp().cumsum(-1)  # [B, V]
+        mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)  # [B, V]
+        drop_sorted = mass_before >= top_p  # [B, V]: the smallest prefix holding top_p; keeps the first
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # [B, V] back in vocabulary order
         log_p = log_p.masked_fill(drop, float("-inf"))
     return log_p

@@ -141,7 +141,7 @@ class AdditionTask(_AnswerTask):
 class ReverseTask(_AnswerTask):
     """``"abc>"`` -> ``"cba"``: a random string of ``min_len``..``max_len`` characters, reversed."""
 
-    def __init__(self, min_len: int = 2, max_len: int = 4, alphabet: str = "abcd") -> None:
+    def __init__(self, min_len: int = 1, max_len: int = 2, alphabet: str = "abcd") -> None:
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         if ">" in alphabet:

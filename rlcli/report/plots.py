@@ -1,0 +1,72 @@
+"""One PNG per metric over ``step``, every run on the same axes (matplotlib, Agg renderer)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from rlcli.report.runs import has_values
+
+__all__ = ["PANELS", "plot_metrics"]
+
+# metric column -> panel title; each becomes report_<metric>.png
+PANELS = {
+    "loss": "loss",
+    "reward": "reward",
+    "accuracy": "accuracy",
+    "ratio_new_old": "ratio new/old (mean over tokens)",
+    "kl_new_old": "KL(new, old)",
+    "clipped_ratio_fraction": "fraction of clipped ratios",
+    "entropy": "entropy",
+    "grad_norm": "gradient norm (before clipping)",
+    "num_documents": "documents per step",
+}
+LINESTYLES = ("-", "--", ":", "-.")  # after the 10 colours of the default cycle
+MARKERS_UP_TO = 30  # points per line; fewer get markers, so that a run of a few steps shows
+
+
+def _points(metrics: dict[str, list[float]], metric: str) -> tuple[list[float], list[float]]:
+    pairs = [(s, v) for s, v in zip(metrics["step"], metrics.get(metric, [])) if math.isfinite(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _plot(metric: str, series: list[tuple[str, dict[str, list[float]]]], path: Path) -> None:
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    for i, (label, metrics) in enumerate(series):
+        steps, values = _points(metrics, metric)
+        marker = "o" if len(steps) <= MARKERS_UP_TO else None
+        axes.plot(steps, values, label=label or None, marker=marker, markersize=3,
+                  linestyle=LINESTYLES[i // 10 % len(LINESTYLES)])
+    axes.set_title(PANELS[metric])
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel(metric)
+    axes.grid(alpha=0.3)
+    if any(label for label, _ in series):
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.savefig(path, bbox_inches="tight")
+
+
+def plot_metrics(
+    series: list[tuple[str, dict[str, list[float]]]], out_dir: Path
+) -> tuple[list[Path], list[str]]:
+    """Write ``report_<metric>.png`` into ``out_dir`` for each metric of `PANELS` that some run has.
+
+    ``series`` is ``(legend label, metrics columns)`` per run; an empty label has no legend
+    entry. Returns the files written and the metrics skipped because no run has a value of them.
+    """
+    written, skipped = [], []
+    for metric in PANELS:
+        if not any(has_values(metrics, metric) for _, metrics in series):
+            skipped.append(metric)
+            continue
+        path = out_dir / f"report_{metric}.png"
+        _plot(metric, series, path)
+        written.append(path)
+    return written, skipped

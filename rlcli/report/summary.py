@@ -1,0 +1,100 @@
+"""The multirun table: one row per member with its steps and the final and best key metrics."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+from rich.text import Text
+
+from rlcli.report.runs import STATUSES, Run, has_values
+
+__all__ = ["NOTE", "Summary", "summarize", "write_csv", "write_markdown", "rich_table"]
+
+# key metric -> which value is best (None: no better direction, final value only)
+BEST = {"loss": "min", "reward": "max", "accuracy": "max", "ratio_new_old": None, "kl_new_old": "min", "entropy": None}
+NOTE = (
+    "final = the last non-empty value; best = min for loss and kl_new_old, max for reward and accuracy "
+    "(the rule is in the column name); ratio_new_old and entropy have no better direction: final only."
+)
+
+Cell = str | int | float | None
+
+
+@dataclass
+class Summary:
+    """The table's column names and its rows (column -> cell)."""
+
+    columns: list[str]
+    rows: list[dict[str, Cell]]
+
+
+def _values(run: Run, metric: str) -> list[float]:
+    return [v for v in (run.metrics or {}).get(metric, []) if not math.isnan(v)]
+
+
+def summarize(runs: list[Run]) -> Summary:
+    """The table: ``member, status, overrides, steps``, then ``<metric>_final`` and
+    ``<metric>_best_<min|max>`` for each key metric that some member has. A member without
+    metrics, or without a value of a metric, has ``None`` in those cells."""
+    metrics = [m for m in BEST if any(run.metrics and has_values(run.metrics, m) for run in runs)]
+    columns = ["member", "status", "overrides", "steps"]
+    for metric in metrics:
+        columns += [f"{metric}_final"] + ([f"{metric}_best_{BEST[metric]}"] if BEST[metric] else [])
+    rows = []
+    for run in runs:
+        row: dict[str, Cell] = dict.fromkeys(columns)
+        row.update(member=run.name, status=run.status, overrides=" ".join(run.overrides))
+        if run.metrics is not None:
+            steps = _values(run, "step")
+            row["steps"] = int(steps[-1]) if steps else 0
+        for metric in metrics:
+            values = _values(run, metric)
+            if values:
+                row[f"{metric}_final"] = values[-1]
+                if BEST[metric]:
+                    row[f"{metric}_best_{BEST[metric]}"] = min(values) if BEST[metric] == "min" else max(values)
+        rows.append(row)
+    return Summary(columns, rows)
+
+
+def _text(cell: Cell) -> str:
+    if cell is None:
+        return ""
+    return f"{cell:.6g}" if isinstance(cell, float) else str(cell)
+
+
+def write_csv(summary: Summary, path: Path) -> None:
+    """Numbers at full precision, empty cells for missing values."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=summary.columns)
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in summary.rows)
+
+
+def write_markdown(summary: Summary, path: Path, title: str) -> None:
+    """A Markdown table (6 significant digits), the rule for final and best, and the statuses."""
+    lines = [f"# {title}", "", "| " + " | ".join(summary.columns) + " |", "|" + "---|" * len(summary.columns)]
+    for row in summary.rows:
+        cells = (_text(row[c]).replace("|", "\\|") for c in summary.columns)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", NOTE, "", "Status:", ""]
+    lines += [f"- `{status}`: {meaning}" for status, meaning in STATUSES.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def rich_table(summary: Summary, title: str) -> Table:
+    """The same table for the console."""
+    table = Table(title=Text(title), caption=NOTE)
+    for column in summary.columns:
+        header = column.replace("_final", "\nfinal").replace("_best_", "\nbest ")  # e.g. "loss" over "best min"
+        if column in ("member", "status", "overrides"):
+            table.add_column(header, overflow="fold", min_width=len(column) if column != "overrides" else None)
+        else:
+            table.add_column(header, justify="right", overflow="fold")  # a narrow console wraps, never cuts
+    for row in summary.rows:
+        table.add_row(*(Text(_text(row[c])) for c in summary.columns))
+    return table

@@ -1,0 +1,122 @@
+"""Batched sampling: shapes, stops, reproducibility, and log-probs equal to a teacher-forced pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcli.modules.lm_head import token_logprobs
+from rlcli.rollout.sampler import _truncate, sample_completions
+
+VOCAB = 12
+PAD, EOS = 0, 1
+PROMPTS = [[2, 3, 4, 5, 6], [7, 8], [9], [3, 3, 10, 11]]  # different lengths: left padding matters
+
+
+def sample(model, prompts=PROMPTS, *, seed=0, **options):
+    settings = dict(max_new_tokens=6, temperature=1.0, stop_ids=(EOS,), pad_id=PAD) | options
+    return sample_completions(model, prompts, generator=torch.Generator().manual_seed(seed), **settings)
+
+
+def teacher_forced_logprobs(model, prompt, completion, temperature):
+    """Log-probs of ``completion`` after ``prompt``, one unpadded sequence without a cache: ``[C]``."""
+    ids = torch.tensor(prompt + completion)  # [L]
+    labels = torch.full_like(ids, -100)
+    labels[len(prompt) - 1 : -1] = ids[len(prompt) :]  # position i predicts token i + 1
+    with torch.no_grad():
+        hidden = model.base_model(
+            input_ids=ids[None], position_ids=torch.arange(len(ids))[None], use_cache=False
+        ).last_hidden_state[0]  # [L, H]
+        logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, labels, temperature=temperature)
+    return logprobs[len(prompt) - 1 : -1]  # [C]
+
+
+def test_shapes_and_budget(tiny_model):
+    model = tiny_model(VOCAB)
+    completions = sample(model, PROMPTS * 4, max_new_tokens=5)
+    assert len(completions) == len(PROMPTS) * 4
+    for c in completions:
+        assert 1 <= len(c.ids) <= 5 and len(c.logprobs) == len(c.ids)
+        assert all(0 <= i < VOCAB for i in c.ids) and all(lp <= 0 for lp in c.logprobs)
+
+
+def test_sequences_stop_at_the_first_stop_token(tiny_model):
+    model = tiny_model(VOCAB)
+    stop_ids = (EOS, 4, 5, 6)  # frequent enough that some sequences stop and others run out
+    completions = sample(model, PROMPTS * 8, max_new_tokens=6, stop_ids=stop_ids)
+    assert {c.stopped for c in completions} == {True, False}
+    for c in completions:
+        assert not set(c.ids[:-1]) & set(stop_ids)
+        assert c.stopped == (c.ids[-1] in stop_ids)
+        if not c.stopped:
+            assert len(c.ids) == 6
+    every_token = sample(model, stop_ids=range(VOCAB))
+    assert all(len(c.ids) == 1 and c.stopped for c in every_token)
+
+
+def test_reproducible_with_a_seed_and_different_with_another(tiny_model):
+    model = tiny_model(VOCAB)
+    first = sample(model, seed=3)
+    assert sample(model, seed=3) == first
+    assert sample(model, seed=4) != first
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 4, 1.0), (0.7, 0, 0.6), (0.7, 5, 0.8)],
+)
+def test_logprobs_equal_teacher_forced_full_distribution(tiny_model, temperature, top_k, top_p):
+    """Batched, left-padded, cached sampling records what the trainer recomputes for each
+    sequence alone: the full-vocabulary log-softmax at the same temperature, also under top-k/p.
+    Sequences that stopped early (and were then fed padding) do not disturb the others."""
+    model = tiny_model(VOCAB)
+    stop_ids = (EOS, 5)
+    prompts = PROMPTS * 3
+    completions = sample(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
+    assert len({len(c.ids) for c in completions}) > 1
+    for prompt, c in zip(prompts, completions):
+        expected = teacher_forced_logprobs(model, prompt, c.ids, temperature)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-4)
+
+
+def test_top_k_one_is_greedy(tiny_model):
+    model = tiny_model(VOCAB)
+    greedy = sample(model, top_k=1, seed=1)
+    assert sample(model, top_k=1, seed=2) == greedy
+    assert sample(model, top_p=1e-6, seed=3) == greedy
+
+
+def test_truncation_keeps_the_top_tokens():
+    log_p = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()  # [1, 4]
+    kept = lambda top_p, top_k: torch.isfinite(_truncate(log_p, top_p, top_k))[0].tolist()
+    assert kept(1.0, 0) == [True, True, True, True]
+    assert kept(1.0, 2) == [True, True, False, False]
+    assert kept(0.45, 0) == [True, False, False, False]
+    assert kept(0.6, 0) == [True, True, False, False]
+    assert kept(0.9, 0) == [True, True, True, False]
+    assert kept(0.99, 0) == [True, True, True, True]
+    assert kept(0.9, 1) == [True, False, False, False]
+    shuffled = log_p[:, [2, 0, 3, 1]]  # the nucleus is found whatever the vocabulary order
+    assert torch.isfinite(_truncate(shuffled, 0.6, 0))[0].tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("was_training", [True, False])
+def test_model_mode_is_restored(tiny_model, was_training):
+    model = tiny_model(VOCAB)
+    model.train(was_training)
+    sample(model, max_new_tokens=2)
+    assert model.training == was_training
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(temperature=0.0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(max_new_tokens=0)],
+)
+def test_bad_options(tiny_model, options):
+    with pytest.raises(ValueError):
+        sample(tiny_model(VOCAB), **options)
+
+
+def test_empty_prompt_is_an_error(tiny_model):
+    with pytest.raises(ValueError):
+        sample(tiny_model(VOCAB), [[2], []])
