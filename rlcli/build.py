@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
+from rlcli.callbacks.console import RichConsole
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
@@ -112,7 +113,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
         strategy=strategy,
         precision=cfg.trainer.precision,
         logger=build_loggers(cfg, run_dir),
-        callbacks=[StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)],
+        callbacks=[StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every), RichConsole(cfg, run_dir)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
         enable_checkpointing=False,
         default_root_dir=run_dir,
         log_every_n_steps=1,

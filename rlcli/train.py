@@ -43,6 +43,9 @@ def export_policy(module, trainer, export_dir: Path, model_cfg: DictConfig) -> N
     prefix = "scorer.policy."
     full = trainer.strategy.lightning_module_state_dict()  # a collective for sharded strategies
     if trainer.is_global_zero:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
         state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
         module.policy.save_pretrained(export_dir, state_dict=state)
         save_tokenizer_if_any(model_cfg, export_dir)

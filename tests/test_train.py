@@ -178,6 +178,7 @@ def test_cli_default_training_and_bad_data_exit_codes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = list((tmp_path / "outputs").glob("*/*"))
     assert len(read_metrics(run_dir)) == 2 and (run_dir / "export" / "model.safetensors").is_file()
+    assert "step 2/2" in result.stdout and "export (Hugging Face):" in result.stdout  # progress and summary
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [rollout_record(0, old_logprobs=[0.1, -1, -1, -1])])
     result = run_rlcli(["train", f"data.paths=[{bad}]"], cwd=tmp_path)

@@ -81,6 +81,7 @@ class PolicyModule(L.LightningModule):
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
         self.empty_steps = 0
+        self.last_metrics: dict[str, float] = {}  # the latest step's row, for the console
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -172,12 +173,9 @@ class PolicyModule(L.LightningModule):
         first = ("loss", "num_documents", "documents_seen", "num_tokens", "grad_norm", "lr")
         names = [*first, *sorted(k for k in metrics if k not in first)]
         values = {k: float(metrics[k]) for k in names}
+        self.last_metrics = {"step": self.steps_done, **values}
         for logger in self.loggers:
             logger.log_metrics(values, step=self.steps_done)
-        self.log_dict(
-            {"loss": values["loss"], "docs": values["documents_seen"]},
-            prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1,
-        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rlcli"] = {

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -87,14 +88,12 @@ def write_markdown(summary: Summary, path: Path, title: str) -> None:
 
 
 def rich_table(summary: Summary, title: str) -> Table:
-    """The same table for the console."""
-    table = Table(title=Text(title), caption=NOTE)
+    """The same table for the console; a narrow console wraps cells, never cuts them."""
+    table = Table(title=Text(title), caption=NOTE, box=box.SIMPLE_HEAD)
     for column in summary.columns:
         header = column.replace("_final", "\nfinal").replace("_best_", "\nbest ")  # e.g. "loss" over "best min"
-        if column in ("member", "status", "overrides"):
-            table.add_column(header, overflow="fold", min_width=len(column) if column != "overrides" else None)
-        else:
-            table.add_column(header, justify="right", overflow="fold")  # a narrow console wraps, never cuts
+        justify = "left" if column in ("member", "status", "overrides") else "right"
+        table.add_column(header, justify=justify, overflow="fold")
     for row in summary.rows:
         table.add_row(*(Text(_text(row[c])) for c in summary.columns))
     return table
