@@ -110,6 +110,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
         devices=cfg.trainer.devices,
+        num_nodes=cfg.trainer.num_nodes,
         strategy=strategy,
         precision=cfg.trainer.precision,
         logger=build_loggers(cfg, run_dir),
@@ -129,5 +130,5 @@ def build_training(cfg: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trai
     """Policy, data, module and trainer of a validated config (seed the RNGs first)."""
     policy = build_policy(cfg.model)
     rollouts = build_rollouts(cfg, policy.config.vocab_size, run_dir)
-    strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices)
+    strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
     return build_module(cfg, policy, rollouts, shard), build_trainer(cfg, run_dir, strategy)

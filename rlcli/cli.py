@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 USAGE = """usage: rlcli <command> [args]
 
@@ -24,6 +25,8 @@ def _train(args: list[str]) -> int:
     # the Hydra overrides alone; the variable tells those processes which command they run.
     sys.argv = [sys.argv[0], *args]
     os.environ[RELAUNCH_COMMAND] = "train"
+    # the local config folder on Hydra's search path (rlcli_local/) is optional
+    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
     try:
         train.hydra_main()
     except SystemExit as exit:

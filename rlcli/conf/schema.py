@@ -110,6 +110,7 @@ class TrainerConfig:
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"]
     accelerator: Literal["auto", "cpu", "gpu"]
     devices: int = bounded(ge=1)
+    num_nodes: int = bounded(ge=1)
     checkpoint_every: int = bounded(ge=0)
     docs_per_step: int = bounded(ge=0)
     docs_per_step_mode: Literal["at_least", "exact"]

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlcli.report.plots import plot_metrics
 from rlcli.report.runs import ReportError, Run, find_runs
-from rlcli.report.summary import Summary, rich_table, summarize, write_csv, write_markdown
+from rlcli.report.summary import Summary, print_summary, summarize, write_csv, write_markdown
 
 __all__ = ["Report", "report_command", "write_report"]
 
@@ -29,7 +29,11 @@ class Report:
 def _member_labels(runs: list[Run]) -> list[str]:
     """Legend labels: the member's name and its overrides that not every member shares."""
     shared = set.intersection(*(set(run.overrides) for run in runs)) if len(runs) > 1 else set()
-    return [" ".join([f"{run.name}:", *(o for o in run.overrides if o not in shared)]) for run in runs]
+    labels = []
+    for run in runs:
+        own = " ".join(o for o in run.overrides if o not in shared)
+        labels.append(f"{run.name}: {own}" if own else run.name)
+    return labels
 
 
 def write_report(path: str | Path, out: str | Path | None = None, console: Console | None = None) -> Report:
@@ -53,7 +57,7 @@ def write_report(path: str | Path, out: str | Path | None = None, console: Conso
         title = f"Multirun {path} ({len(runs)} members)"
         write_csv(summary, out_dir / "summary.csv")
         write_markdown(summary, out_dir / "summary.md", title)
-        console.print(rich_table(summary, title))
+        print_summary(summary, title, console)
         console.print(f"wrote summary.csv and summary.md to {out_dir}", markup=False)
     console.print(f"wrote {len(plots)} plots to {out_dir}: {', '.join(p.name for p in plots) or '-'}", markup=False)
     if skipped:

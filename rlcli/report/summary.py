@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich import box
+from rich.console import Console
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from rlcli.report.runs import STATUSES, Run, has_values
 
-__all__ = ["NOTE", "Summary", "summarize", "write_csv", "write_markdown", "rich_table"]
+__all__ = ["NOTE", "Summary", "print_summary", "rich_table", "summarize", "write_csv", "write_markdown"]
 
 # key metric -> which value is best (None: no better direction, final value only)
 BEST = {"loss": "min", "reward": "max", "accuracy": "max", "ratio_new_old": None, "kl_new_old": "min", "entropy": None}
@@ -88,12 +91,29 @@ def write_markdown(summary: Summary, path: Path, title: str) -> None:
 
 
 def rich_table(summary: Summary, title: str) -> Table:
-    """The same table for the console; a narrow console wraps cells, never cuts them."""
+    """The same table for the console; cells wrap between words, never inside one."""
     table = Table(title=Text(title), caption=NOTE, box=box.SIMPLE_HEAD)
     for column in summary.columns:
         header = column.replace("_final", "\nfinal").replace("_best_", "\nbest ")  # e.g. "loss" over "best min"
+        words = [w for text in (header, *(_text(row[column]) for row in summary.rows)) for w in text.split()]
         justify = "left" if column in ("member", "status", "overrides") else "right"
-        table.add_column(header, justify=justify, overflow="fold")
+        table.add_column(header, justify=justify, min_width=max(map(len, words)))
     for row in summary.rows:
         table.add_row(*(Text(_text(row[c])) for c in summary.columns))
     return table
+
+
+def print_summary(summary: Summary, title: str, console: Console) -> None:
+    """Print `rich_table`, or, on a console too narrow for it, one block of text per member."""
+    table = rich_table(summary, title)
+    unclamped = console.options.update_width(1_000_000)  # a measurement is clamped to the width it is given
+    if Measurement.get(console, unclamped, table).minimum <= console.width:
+        console.print(table)
+        return
+    console.print(Text(title, style="bold"))
+    for row in summary.rows:
+        console.print(Text(f"{row['member']}  {row['status']}  {row['overrides']}"))
+        numbers = [f"{c}={_text(row[c])}" for c in summary.columns[3:] if row[c] is not None]
+        if numbers:
+            console.print(Padding(Text("  ".join(numbers)), (0, 0, 0, 4)))
+    console.print(NOTE)

@@ -102,8 +102,16 @@ def test_save_jsonl_round_trips_through_load_rollouts(task, model, tmp_path):
     save_jsonl(docs[12:], path)  # appends
     loaded, rejected = load_rollouts([path], vocab_size=task.tokenizer.vocab_size)
     assert not rejected and len(loaded) == len(docs)
-    fields = ("prompt_ids", "completion_ids", "old_logprobs", "advantages", "reward", "group_id",
-              "completion_mask", "temperature")
+    fields = (
+        "prompt_ids",
+        "completion_ids",
+        "old_logprobs",
+        "advantages",
+        "reward",
+        "group_id",
+        "completion_mask",
+        "temperature",
+    )
     for original, back in zip(docs, loaded):
         assert {f: getattr(back, f) for f in fields} == {f: getattr(original, f) for f in fields}
 

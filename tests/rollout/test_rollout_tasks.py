@@ -109,8 +109,9 @@ def test_prompts_depend_only_on_the_rng():
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: AdditionTask(max_digits=0), lambda: ReverseTask(min_len=3, max_len=2), lambda: ReverseTask(alphabet="a>")]
+    ("task_class", "options"),
+    [(AdditionTask, dict(max_digits=0)), (ReverseTask, dict(min_len=3, max_len=2)), (ReverseTask, dict(alphabet="a>"))],
 )
-def test_bad_task_options(make):
+def test_bad_task_options(task_class, options):
     with pytest.raises(ValueError):
-        make()
+        task_class(**options)
