@@ -18,8 +18,12 @@ from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
 from rlcli.loggers import build_loggers
 from rlcli.models import build_policy
-from rlcli.modules.policy_module import LossSettings, PolicyModule, StepSettings
+from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
+from rlcli.errors import UserError
+from rlcli.modules.policy_module import LossSettings, PolicyModule
 from rlcli.rollout.advantages import apply_advantage_estimator
+from rlcli.rollout.onpolicy import OnPolicyRollouts
+from rlcli.sources import OnPolicySource, RolloutFileSource
 from rlcli.strategies import build_strategy
 
 log = logging.getLogger("rlcli")
@@ -86,23 +90,40 @@ def build_rollouts(cfg: DictConfig, vocab_size: int, run_dir: Path) -> list[Roll
     return rollouts
 
 
-def build_module(cfg: DictConfig, policy: torch.nn.Module, rollouts: list[Rollout], shard=None) -> PolicyModule:
-    def make_stream(rank: int, world_size: int) -> DocumentStream:
-        return DocumentStream(
-            rollouts, max_tokens=cfg.data.max_tokens, shuffle=cfg.data.shuffle, seed=cfg.seed,
-            epochs=cfg.data.epochs, rank=rank, world_size=world_size,
-        )
+def build_task(cfg: DictConfig):
+    """The task of ``data=generate`` (any object with the protocol of `rlcli.rollout.tasks`)."""
+    from hydra.utils import instantiate
 
-    step_settings = StepSettings(
-        accumulate_microbatches=cfg.trainer.accumulate_microbatches,
-        docs_per_step=cfg.trainer.docs_per_step,
-        exact=cfg.trainer.docs_per_step_mode == "exact",
-        grad_clip=cfg.trainer.grad_clip,
-    )
-    return PolicyModule(
-        policy, loss_settings(cfg), step_settings,
-        partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps), make_stream, shard,
-    )
+    try:
+        return instantiate(cfg.task)
+    except Exception as err:  # a wrong _target_ or argument is the user's to fix
+        raise UserError(f"task: cannot build {cfg.task.get('_target_')}: {err}") from None
+
+
+def make_source_factory(cfg: DictConfig, rollouts: list[Rollout] | None, task, run_dir: Path):
+    """``(rank, world_size) -> source``: rollout files, or on-policy generation on ``task``."""
+
+    def make_source(rank: int, world_size: int):
+        if task is None:
+            stream = DocumentStream(
+                rollouts, max_tokens=cfg.data.max_tokens, shuffle=cfg.data.shuffle, seed=cfg.seed,
+                epochs=cfg.data.epochs, rank=rank, world_size=world_size,
+            )
+            return RolloutFileSource(
+                stream, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
+                docs_per_step=cfg.trainer.docs_per_step, exact=cfg.trainer.docs_per_step_mode == "exact",
+            )
+        r = cfg.rollout
+        generator = OnPolicyRollouts(
+            task, prompts_per_step=r.prompts_per_step, group_size=r.group_size, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            estimator=cfg.advantage.estimator,
+            seed=cfg.seed, rank=rank, world_size=world_size,
+        )
+        name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"
+        return OnPolicySource(generator, max_tokens=cfg.data.max_tokens, save_to=run_dir / name if r.save else None)
+
+    return make_source
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
@@ -128,7 +149,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
 
 def build_training(cfg: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trainer]:
     """Policy, data, module and trainer of a validated config (seed the RNGs first)."""
-    policy = build_policy(cfg.model)
-    rollouts = build_rollouts(cfg, policy.config.vocab_size, run_dir)
+    task = build_task(cfg) if cfg.data.kind == "generate" else None
+    policy = build_policy(cfg.model, default_vocab_size=task.tokenizer.vocab_size if task else TOY_VOCAB_SIZE)
+    vocab_size = policy.config.vocab_size
+    if task is not None and task.tokenizer.vocab_size > vocab_size:
+        raise UserError(f"task: its tokenizer has {task.tokenizer.vocab_size} ids, the model only {vocab_size}")
+    rollouts = build_rollouts(cfg, vocab_size, run_dir) if task is None else None
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
-    return build_module(cfg, policy, rollouts, shard), build_trainer(cfg, run_dir, strategy)
+    module = PolicyModule(
+        policy, loss_settings(cfg), partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),
+        make_source_factory(cfg, rollouts, task, run_dir), grad_clip=cfg.trainer.grad_clip, shard=shard,
+    )
+    return module, build_trainer(cfg, run_dir, strategy)

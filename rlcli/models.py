@@ -12,11 +12,11 @@ from rlcli.errors import UserError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_model_config(cfg: DictConfig):
+def tiny_model_config(cfg: DictConfig, default_vocab_size: int = 64):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=cfg.vocab_size,
+        vocab_size=cfg.vocab_size or default_vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -28,12 +28,13 @@ def tiny_model_config(cfg: DictConfig):
     )
 
 
-def build_policy(cfg: DictConfig) -> torch.nn.Module:
-    """The causal LM described by ``cfg.model`` (seed the RNG first for a reproducible tiny model)."""
+def build_policy(cfg: DictConfig, default_vocab_size: int = 64) -> torch.nn.Module:
+    """The causal LM described by ``cfg.model`` (seed the RNG first for a reproducible tiny model);
+    a tiny model with ``vocab_size: null`` gets ``default_vocab_size`` ids."""
     from transformers import AutoModelForCausalLM
 
     if cfg.kind == "tiny":
-        model = AutoModelForCausalLM.from_config(tiny_model_config(cfg)).to(DTYPES[cfg.dtype])
+        model = AutoModelForCausalLM.from_config(tiny_model_config(cfg, default_vocab_size)).to(DTYPES[cfg.dtype])
     else:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():

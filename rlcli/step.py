@@ -6,7 +6,7 @@ documents), and `plan_step` sums the step totals over all of them and all ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from rlcli.modules.segments import Segments
 class CollectedStep:
     micro_batches: list[MicroBatch]  # this rank's
     carried_over: int = 0  # documents given back to the streams (docs_per_step exact mode)
+    stats: dict[str, float] = field(default_factory=dict)  # this rank's rollout statistics (on-policy)
 
 
 def _give_back_share(counts: list[int], surplus: int, rank: int) -> int:
@@ -105,3 +106,12 @@ def reduce_partials(partials: MetricPartials, device: torch.device) -> MetricPar
             flat = distributed.all_reduce(torch.stack([values[k] for k in keys]).to(device), op)
             setattr(reduced, name, dict(zip(keys, flat)))
     return reduced
+
+
+def mean_over_ranks(stats: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The mean of each statistic over ranks (every rank holds the same number of documents)."""
+    if not stats:
+        return {}
+    keys = sorted(stats)
+    values = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+    return dict(zip(keys, (distributed.all_reduce(values, "sum") / distributed.world_size()).tolist()))

@@ -45,3 +45,26 @@ def rollout_record(group: int, prompt_len: int = 3, completion_len: int = 4, voc
         "group_id": group % 4,
         **extra,
     }
+
+
+class EchoTask:
+    """A custom task for the plug-in test: the reward is 1 when the completion starts with the
+    prompt's first character (a two-letter alphabet, so random sampling gets it half the time)."""
+
+    def __init__(self, letters: str = "ab") -> None:
+        from rlcli.rollout.tasks import CharTokenizer
+
+        self.letters = letters
+        self.tokenizer = CharTokenizer(letters)
+
+    def sample_prompts(self, rng, n):
+        from rlcli.rollout.tasks import Prompt
+
+        texts = [rng.choice(self.letters) for _ in range(n)]
+        return [Prompt(text=t, ids=tuple(self.tokenizer.encode(t)), answer=t) for t in texts]
+
+    def reward(self, prompt, completion_ids):
+        return float(list(completion_ids[:1]) == self.tokenizer.encode(prompt.answer))
+
+    def is_correct(self, prompt, completion_ids):
+        return self.reward(prompt, completion_ids) == 1.0

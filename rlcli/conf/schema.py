@@ -7,7 +7,7 @@ once. Bounds live in each field's metadata: ``ge``/``gt``/``le``/``lt``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
@@ -42,7 +42,7 @@ class MetricsConfig:
 @dataclass
 class TinyModelConfig:
     kind: Literal["tiny"]
-    vocab_size: int = bounded(ge=2)
+    vocab_size: Optional[int] = bounded(ge=2)  # null: the task's vocabulary, or 64
     hidden_size: int = bounded(ge=1)
     intermediate_size: int = bounded(ge=1)
     num_layers: int = bounded(ge=1)
@@ -71,6 +71,23 @@ class RolloutDataConfig:
     epochs: int = bounded(ge=1)
     on_invalid: Literal["error", "skip"]
     allow_temperature_mismatch: bool
+
+
+@dataclass
+class GenerateDataConfig:
+    kind: Literal["generate"]
+    max_tokens: int = bounded(ge=2)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = bounded(ge=1)
+    group_size: int = bounded(ge=1)
+    max_new_tokens: int = bounded(ge=1)
+    temperature: float = bounded(gt=0)
+    top_p: float = bounded(gt=0, le=1)
+    top_k: int = bounded(ge=0)
+    save: bool
 
 
 @dataclass
@@ -173,7 +190,9 @@ class TrainConfig:
     aggregation: AggregationConfig
     metrics: MetricsConfig
     model: Union[TinyModelConfig, HFModelConfig]
-    data: RolloutDataConfig
+    data: Union[RolloutDataConfig, GenerateDataConfig]
+    rollout: Optional[RolloutConfig]  # with data=generate
+    task: Optional[Any]  # with data=generate: a `_target_` and its arguments
     advantage: AdvantageConfig
     optimizer: Union[AdamWConfig, SGDConfig]
     trainer: TrainerConfig

@@ -58,6 +58,8 @@ def _check_bounds(value, meta, path, problems) -> None:
 
 
 def _check_value(value, annotation, path, problems, meta=None) -> None:
+    if annotation is Any:
+        return
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Union:
         if value is None and type(None) in args:
@@ -128,6 +130,18 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
 
         if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
             problems.append("strategy: fsdp needs GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)")
+    data = cfg.get("data")
+    if isinstance(data, DictConfig) and data.get("kind") == "generate":
+        for key in ("rollout", "task"):
+            if cfg.get(key) is None:
+                problems.append(f"{key}: required by data=generate")
+        advantage = cfg.get("advantage")
+        if isinstance(advantage, DictConfig) and advantage.get("estimator") == "none":
+            problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")
+        if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
+            problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
+    elif cfg.get("rollout") is not None or cfg.get("task") is not None:
+        problems.append("rollout/task: only used with data=generate")
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check

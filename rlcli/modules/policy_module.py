@@ -16,11 +16,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlcli import distributed
 from rlcli.data.packing import MicroBatch
-from rlcli.data.stream import DocumentStream
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.modules.policy_loss import micro_batch_loss
 from rlcli.modules.scorer import TokenScorer
-from rlcli.step import StepPlan, collect_step, plan_step, reduce_partials
+from rlcli.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
 TENSOR_FIELDS = ("input_ids", "position_ids", "labels", "old_logprobs", "advantages", "mask", "document_index")
 
@@ -40,30 +39,40 @@ class LossSettings:
     chunk_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class StepSettings:
-    """The `trainer` fields that shape a step."""
+# A first step whose ratio or kl is further from on-policy than this gets a warning.
+PARITY_RATIO_TOLERANCE = 0.05
+PARITY_KL_TOLERANCE = 0.02
 
-    accumulate_microbatches: int = 1
-    docs_per_step: int = 0
-    exact: bool = False
-    grad_clip: float = 0.0
+
+def warn_if_off_policy(metrics: dict, temperature: float) -> None:
+    """Warn when the first step's ratio/kl show that the trainer does not score the rollouts as
+    their sampler did (ratio 1 and kl 0 are expected for on-policy data)."""
+    ratio, kl = float(metrics.get("ratio_new_old", 1.0)), float(metrics.get("kl_new_old", 0.0))
+    if abs(ratio - 1) <= PARITY_RATIO_TOLERANCE and kl <= PARITY_KL_TOLERANCE:
+        return
+    rank_zero_warn(
+        f"first step: ratio_new_old={ratio:.4f}, kl_new_old={kl:.4f}, far from on-policy (1, 0). Likely causes: "
+        f"loss.temperature={temperature} is not the sampler's temperature; the sampler ran at another precision "
+        "(try loss.fp32_lm_head=true or model.dtype); or the rollouts were not sampled from this model."
+    )
 
 
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
-    ``make_stream(rank, world_size)`` builds this rank's `DocumentStream`; the dataloader given to
-    ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` shards the model for FSDP2.
+    ``make_source(rank, world_size)`` builds this rank's source of steps (`rlcli.sources`); the
+    dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` shards the
+    model for FSDP2.
     """
 
     def __init__(
         self,
         policy: torch.nn.Module,
         settings: LossSettings,
-        step_settings: StepSettings,
         make_optimizer: Callable[[torch.nn.Module], tuple],
-        make_stream: Callable[[int, int], DocumentStream],
+        make_source: Callable[[int, int], object],
+        *,
+        grad_clip: float = 0.0,
         shard: Callable | None = None,
     ) -> None:
         super().__init__()
@@ -73,11 +82,11 @@ class PolicyModule(L.LightningModule):
             chunk_tokens=settings.chunk_tokens, with_entropy=settings.metrics == "with_entropy",
         )
         self.settings = settings
-        self.step_settings = step_settings
+        self.grad_clip = grad_clip
         self.make_optimizer = make_optimizer
-        self.make_stream = make_stream
+        self.make_source = make_source
         self.shard = shard
-        self.stream: DocumentStream | None = None
+        self.source = None
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
         self.empty_steps = 0
@@ -92,7 +101,7 @@ class PolicyModule(L.LightningModule):
             self.shard(self.scorer, self.device_mesh)
 
     def setup(self, stage: str) -> None:
-        self.stream = self.make_stream(self.global_rank, self.trainer.world_size)
+        self.source = self.make_source(self.global_rank, self.trainer.world_size)
 
     def configure_optimizers(self):
         optimizer, scheduler = self.make_optimizer(self.scorer)
@@ -123,11 +132,7 @@ class PolicyModule(L.LightningModule):
         )
 
     def training_step(self, tick, batch_idx):
-        s = self.step_settings
-        step = collect_step(
-            self.stream, accumulate_microbatches=s.accumulate_microbatches,
-            docs_per_step=s.docs_per_step, exact=s.exact, device=self.device,
-        )
+        step = self.source.next_step(self.policy, self.steps_done, self.device)
         passes = int(distributed.all_reduce(
             torch.tensor(len(step.micro_batches), device=self.device), "max"
         ))
@@ -159,13 +164,16 @@ class PolicyModule(L.LightningModule):
             rank_zero_warn(f"step {self.steps_done}: no labelled token in {num_documents} documents; no update")
             metrics["grad_norm"] = 0.0
         else:
-            metrics["grad_norm"] = distributed.clip_grad_norm(self.trainer.strategy, self.scorer, s.grad_clip)
+            metrics["grad_norm"] = distributed.clip_grad_norm(self.trainer.strategy, self.scorer, self.grad_clip)
             optimizer.step()
             optimizer.zero_grad()
             self.lr_schedulers().step()
         metrics |= {"documents_seen": self.documents_seen, "empty_steps": self.empty_steps, "lr": lr}
-        if s.docs_per_step and s.exact:
+        metrics |= mean_over_ranks(step.stats, self.device)
+        if getattr(self.source, "exact", False):
             metrics["carried_documents"] = step.carried_over
+        if self.steps_done == 1:
+            warn_if_off_policy(metrics, self.settings.temperature)
         self._log_step(metrics)
         return None
 
@@ -179,7 +187,7 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["rlcli"] = {
-            "stream": self.stream.state_dict() if self.stream else None,
+            "source": self.source.state_dict() if self.source else None,
             "steps_done": self.steps_done,
             "documents_seen": self.documents_seen,
             "empty_steps": self.empty_steps,

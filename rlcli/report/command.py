@@ -27,7 +27,7 @@ class Report:
 
 
 def _member_labels(runs: list[Run]) -> list[str]:
-    """Legend labels: the member's name and its overrides that not every member shares."""
+    """Legend labels: the member's name and its overrides that not every plotted member shares."""
     shared = set.intersection(*(set(run.overrides) for run in runs)) if len(runs) > 1 else set()
     labels = []
     for run in runs:
@@ -48,8 +48,9 @@ def write_report(path: str | Path, out: str | Path | None = None, console: Conso
     out_dir = path if out is None else Path(out)
     kind, runs = find_runs(path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    labels = _member_labels(runs) if kind == "multirun" else [" ".join(runs[0].overrides)]
-    series = [(label, run.metrics) for label, run in zip(labels, runs) if run.metrics is not None]
+    plotted = [run for run in runs if run.metrics is not None]
+    labels = _member_labels(plotted) if kind == "multirun" else [" ".join(run.overrides) for run in plotted]
+    series = [(label, run.metrics) for label, run in zip(labels, plotted)]
     plots, skipped = plot_metrics(series, out_dir)
     summary = None
     if kind == "multirun":

@@ -25,7 +25,7 @@ PANELS = {
     "grad_norm": "gradient norm (before clipping)",
     "num_documents": "documents per step",
 }
-LINESTYLES = ("-", "--", ":", "-.")  # after the 10 colours of the default cycle
+LINESTYLES = ("-", "--", ":", "-.")  # runs 0-9 solid, 10-19 dashed, ... in the 10 default colours
 MARKERS_UP_TO = 30  # points per line; fewer get markers, so that a run of a few steps shows
 
 
@@ -39,10 +39,12 @@ def _plot(metric: str, series: list[tuple[str, dict[str, list[float]]]], path: P
     FigureCanvasAgg(figure)
     axes = figure.subplots()
     for i, (label, metrics) in enumerate(series):
+        if not has_values(metrics, metric):
+            continue
         steps, values = _points(metrics, metric)
         marker = "o" if len(steps) <= MARKERS_UP_TO else None
         axes.plot(steps, values, label=label or None, marker=marker, markersize=3,
-                  linestyle=LINESTYLES[i // 10 % len(LINESTYLES)])
+                  color=f"C{i % 10}", linestyle=LINESTYLES[i // 10 % len(LINESTYLES)])  # a run's style in every panel
     axes.set_title(PANELS[metric])
     axes.set_xlabel("step")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -59,7 +61,8 @@ def plot_metrics(
     """Write ``report_<metric>.png`` into ``out_dir`` for each metric of `PANELS` that some run has.
 
     ``series`` is ``(legend label, metrics columns)`` per run; an empty label has no legend
-    entry. Returns the files written and the metrics skipped because no run has a value of them.
+    entry; a run without a value of a metric is left out of its panel. Returns the files written
+    and the metrics skipped because no run has a value of them.
     """
     written, skipped = [], []
     for metric in PANELS:

@@ -127,6 +127,6 @@ def find_runs(path: Path) -> tuple[str, list[Run]]:
     if members and ((path / "multirun.yaml").is_file() or any((m / "metrics.csv").is_file() for m in members)):
         return "multirun", [_load_member(m) for m in members]
     raise ReportError(
-        f"{path} is neither a run directory (no metrics.csv) nor a multirun directory "
-        "(no numbered member directories with metrics.csv, or with multirun.yaml beside them)"
+        f"{path} is neither a run directory nor a multirun directory: it holds no metrics.csv, and no "
+        "numbered member directories (0/, 1/, ...) with metrics.csv or multirun.yaml"
     )

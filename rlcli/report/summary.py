@@ -115,5 +115,5 @@ def print_summary(summary: Summary, title: str, console: Console) -> None:
         console.print(Text(f"{row['member']}  {row['status']}  {row['overrides']}"))
         numbers = [f"{c}={_text(row[c])}" for c in summary.columns[3:] if row[c] is not None]
         if numbers:
-            console.print(Padding(Text("  ".join(numbers)), (0, 0, 0, 4)))
+            console.print(Padding(Text("  ".join(numbers)), (0, 0, 0, 4), expand=False))
     console.print(NOTE)

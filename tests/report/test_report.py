@@ -15,6 +15,7 @@ from rlcli.cli import main
 from rlcli.report import ReportError, write_report
 from rlcli.report.command import _member_labels
 from rlcli.report.runs import find_runs, read_metrics
+from rlcli.report.summary import print_summary, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = ["loss", "reward", "accuracy", "ratio_new_old", "kl_new_old", "clipped_ratio_fraction",
@@ -197,8 +198,12 @@ def test_legend_labels_show_the_overrides_that_differ(multirun):
         "3",
         "10: loss=gspo aggregation=token_mean trainer.max_steps=4",
     ]
-    shared = [r for r in runs if r.overrides]
-    assert _member_labels(shared)[0] == "0: loss=grpo aggregation=token_mean"
+    plotted = [r for r in runs if r.metrics is not None]
+    assert _member_labels(plotted) == [
+        "0: loss=grpo aggregation=token_mean",  # trainer.max_steps=4 is shared
+        "1: loss=gspo aggregation=constant",
+        "10: loss=gspo aggregation=token_mean",
+    ]
 
 
 def test_cli_writes_into_out_dir(multirun, tmp_path):
@@ -247,3 +252,13 @@ def test_read_metrics_empty_cells_and_partly_written_rows(tmp_path):
     metrics = read_metrics(path)
     assert metrics["step"] == [1.0, 2.0] and metrics["loss"] == [0.5, 0.25]
     assert metrics["grad_norm"][0] != metrics["grad_norm"][0] and metrics["grad_norm"][1] == 1.0  # NaN, 1.0
+
+
+@pytest.mark.parametrize("width", [60, 250])
+def test_console_summary_fits_the_console_width(multirun, width):
+    con = Console(file=io.StringIO(), width=width, color_system=None)
+    print_summary(summarize(find_runs(multirun)[1]), "Multirun", con)
+    printed = con.file.getvalue()
+    assert max(len(line.rstrip()) for line in printed.splitlines()) <= width
+    assert "no metrics" in printed and "-0.3" in printed  # member 1's best loss, never cut
+    assert ("loss_best_min=-0.3" in printed) == (width == 60)  # too narrow for the table: one block per member
