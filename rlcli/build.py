@@ -16,10 +16,10 @@ from rlcli.callbacks.console import RichConsole
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
-from rlcli.loggers import build_loggers
-from rlcli.models import build_policy
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.errors import UserError
+from rlcli.loggers import build_loggers
+from rlcli.models import build_policy
 from rlcli.modules.policy_module import LossSettings, PolicyModule
 from rlcli.rollout.advantages import apply_advantage_estimator
 from rlcli.rollout.onpolicy import OnPolicyRollouts
