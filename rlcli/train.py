@@ -58,6 +58,7 @@ def train(cfg: DictConfig, run_dir: Path):
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from rlcli.build import build_training
+    from rlcli.callbacks.checkpoint import find_resume_checkpoint
     from rlcli.conf.validate import validate_config
     from rlcli.loggers import finish_loggers
 
@@ -68,8 +69,11 @@ def train(cfg: DictConfig, run_dir: Path):
         OmegaConf.save(cfg, run_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, trainer = build_training(cfg, run_dir)
+    checkpoint = find_resume_checkpoint(cfg.resume, run_dir)
+    if checkpoint is not None and trainer.is_global_zero:
+        log.info("resuming from %s", checkpoint)
     try:
-        trainer.fit(module, train_dataloaders=_step_ticks())
+        trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=checkpoint, weights_only=True)
         export_policy(module, trainer, run_dir / "export", cfg.model)
     finally:
         finish_loggers(trainer.loggers)

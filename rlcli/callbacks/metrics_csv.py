@@ -31,6 +31,18 @@ class MetricsCSVLogger(Logger):
         """The resolved config is saved as ``config.yaml`` by `rlcli train`; nothing to do here."""
 
     @rank_zero_only
+    def resume_at(self, step: int) -> None:
+        """Keep the rows of steps up to ``step`` from an earlier run in the same file; the steps
+        after it are trained again and logged anew."""
+        if not self.path.is_file():
+            return
+        with self.path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            self.columns = list(reader.fieldnames or ["step"])
+            self.rows = [row for row in reader if int(row["step"]) <= step]
+        self._write(self.rows, mode="w", header=True)
+
+    @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         row = {"step": step, **metrics}
         new_columns = [k for k in row if k not in self.columns]

@@ -186,6 +186,7 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     seed: int = bounded(ge=0)
+    resume: Optional[str]
     loss: LossConfig
     aggregation: AggregationConfig
     metrics: MetricsConfig

@@ -15,6 +15,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlcli import distributed
+from rlcli.callbacks.metrics_csv import MetricsCSVLogger
+from rlcli.errors import UserError
 from rlcli.data.packing import MicroBatch
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.modules.policy_loss import micro_batch_loss
@@ -186,9 +188,29 @@ class PolicyModule(L.LightningModule):
             logger.log_metrics(values, step=self.steps_done)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Everything beyond Lightning's state that a resumed run needs, from every rank."""
         checkpoint["rlcli"] = {
-            "source": self.source.state_dict() if self.source else None,
             "steps_done": self.steps_done,
             "documents_seen": self.documents_seen,
             "empty_steps": self.empty_steps,
+            "ranks": distributed.all_gather_objects(
+                {"source": self.source.state_dict(), "torch_rng": torch.get_rng_state()}
+            ),
         }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["rlcli"]
+        if len(state["ranks"]) != self.trainer.world_size:
+            raise UserError(
+                f"resume: the checkpoint was written by {len(state['ranks'])} processes, this run has "
+                f"{self.trainer.world_size}; resume with the same trainer.devices and trainer.num_nodes"
+            )
+        self.steps_done = state["steps_done"]
+        self.documents_seen = state["documents_seen"]
+        self.empty_steps = state["empty_steps"]
+        mine = state["ranks"][self.global_rank]
+        self.source.load_state_dict(mine["source"])
+        torch.set_rng_state(mine["torch_rng"])
+        for logger in self.loggers:
+            if isinstance(logger, MetricsCSVLogger):
+                logger.resume_at(self.steps_done)

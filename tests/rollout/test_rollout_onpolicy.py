@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -97,6 +98,8 @@ def test_indices_are_unique_across_steps_and_ranks(task, model):
 def test_save_jsonl_round_trips_through_load_rollouts(task, model, tmp_path):
     rollouts = make_rollouts(task, temperature=0.9)
     docs = rollouts.generate(model, step=0)[0] + rollouts.generate(model, step=1)[0]
+    masked = (0,) + (1,) * (len(docs[0].completion_ids) - 1)
+    docs[0] = dataclasses.replace(docs[0], completion_mask=masked)  # e.g. a tool-output token
     path = tmp_path / "runs" / "rollouts.jsonl"
     save_jsonl(docs[:12], path)
     save_jsonl(docs[12:], path)  # appends

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlcli.modules.lm_head import token_logprobs
-from rlcli.rollout.sampler import _truncate, sample_completions
+from rlcli.rollout.sampler import _left_pad, _truncate, sample_completions
 
 VOCAB = 12
 PAD, EOS = 0, 1
@@ -100,11 +100,21 @@ def test_truncation_keeps_the_top_tokens():
     assert torch.isfinite(_truncate(shuffled, 0.6, 0))[0].tolist() == [False, True, False, True]
 
 
+def test_left_padding_positions_start_at_each_prompt():
+    input_ids, attention_mask, position_ids = _left_pad([[5, 6, 7], [8]], PAD, torch.device("cpu"))
+    assert input_ids.tolist() == [[5, 6, 7], [PAD, PAD, 8]]
+    assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert position_ids[attention_mask.bool()].tolist() == [0, 1, 2, 0]
+
+
 @pytest.mark.parametrize("was_training", [True, False])
-def test_model_mode_is_restored(tiny_model, was_training):
+def test_samples_in_eval_mode_and_restores_the_mode(tiny_model, was_training):
     model = tiny_model(VOCAB)
     model.train(was_training)
+    modes = []
+    model.model.register_forward_hook(lambda module, args, output: modes.append(module.training))
     sample(model, max_new_tokens=2)
+    assert modes and not any(modes)
     assert model.training == was_training
 
 
