@@ -12,6 +12,7 @@ USAGE = """usage: rlcli <command> [args]
 commands:
   train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
   data check FILE...        validate rollout files and print a summary
+  report PATH [--out DIR]   plots of a run, or plots and a comparison table of a sweep
 """
 
 

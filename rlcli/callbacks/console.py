@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 # metric -> True if higher is better (the summary's "best" column)
-SUMMARY_METRICS = {"loss": False, "reward": True, "accuracy": True, "kl_new_old": False, "entropy": True}
+SUMMARY_METRICS = {"loss": False, "reward": True, "accuracy": True, "kl_new_old": False}
 
 
 def config_tree(cfg: DictConfig) -> Tree:

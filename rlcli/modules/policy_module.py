@@ -16,8 +16,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlcli import distributed
 from rlcli.callbacks.metrics_csv import MetricsCSVLogger
-from rlcli.errors import UserError
 from rlcli.data.packing import MicroBatch
+from rlcli.errors import UserError
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.modules.policy_loss import micro_batch_loss
 from rlcli.modules.scorer import TokenScorer
