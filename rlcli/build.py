@@ -158,6 +158,7 @@ def build_training(cfg: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trai
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
     module = PolicyModule(
         policy, loss_settings(cfg), partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),
-        make_source_factory(cfg, rollouts, task, run_dir), grad_clip=cfg.trainer.grad_clip, shard=shard,
+        make_source_factory(cfg, rollouts, task, run_dir), grad_clip=cfg.trainer.grad_clip,
+        max_bad_steps=cfg.trainer.max_bad_steps, shard=shard,
     )
     return module, build_trainer(cfg, run_dir, strategy)

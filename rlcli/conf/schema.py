@@ -124,6 +124,7 @@ class TrainerConfig:
     max_steps: int = bounded(ge=1)
     accumulate_microbatches: int = bounded(ge=1)
     grad_clip: float = bounded(ge=0)
+    max_bad_steps: int = bounded(ge=1)
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"]
     accelerator: Literal["auto", "cpu", "gpu"]
     devices: int = bounded(ge=1)

@@ -7,6 +7,8 @@ optimizer update and one row of metrics.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +43,8 @@ class LossSettings:
     chunk_tokens: int = 0
 
 
+# Fault injection for the tests: "STEP:RANK" makes that rank's loss (and gradient) NaN at that step.
+NAN_LOSS_AT = "RLCLI_TEST_NAN_LOSS_AT"
 # A first step whose ratio or kl is further from on-policy than this gets a warning.
 PARITY_RATIO_TOLERANCE = 0.05
 PARITY_KL_TOLERANCE = 0.02
@@ -59,6 +63,10 @@ def warn_if_off_policy(metrics: dict, temperature: float) -> None:
     )
 
 
+class TrainingDiverged(UserError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
@@ -75,6 +83,7 @@ class PolicyModule(L.LightningModule):
         make_source: Callable[[int, int], object],
         *,
         grad_clip: float = 0.0,
+        max_bad_steps: int = 3,
         shard: Callable | None = None,
     ) -> None:
         super().__init__()
@@ -92,6 +101,9 @@ class PolicyModule(L.LightningModule):
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
         self.empty_steps = 0
+        self.bad_steps = 0  # steps skipped for a non-finite loss or gradient
+        self.consecutive_bad_steps = 0
+        self.max_bad_steps = max_bad_steps
         self.last_metrics: dict[str, float] = {}  # the latest step's row, for the console
 
     @property
@@ -150,6 +162,8 @@ class PolicyModule(L.LightningModule):
             batch = step.micro_batches[i] if i < len(step.micro_batches) else None
             with optimizer.toggle_model(sync_grad=i == passes - 1):  # gradients sync once per step
                 loss, batch_partials = self._micro_batch_loss(batch, plan)
+                if os.environ.get(NAN_LOSS_AT) == f"{self.steps_done + 1}:{self.global_rank}":
+                    loss = loss * math.nan  # fault injection for the tests: this rank's loss and gradient
                 self.manual_backward(loss * distributed.gradient_scale())
             step_loss += loss.detach().to(torch.float64)
             partials = partials + batch_partials
@@ -160,17 +174,9 @@ class PolicyModule(L.LightningModule):
         num_documents = int(plan.totals.documents.item())
         self.documents_seen += num_documents
         lr = optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-        if plan.totals.tokens.item() == 0:
-            optimizer.zero_grad()
-            self.empty_steps += 1
-            rank_zero_warn(f"step {self.steps_done}: no labelled token in {num_documents} documents; no update")
-            metrics["grad_norm"] = 0.0
-        else:
-            metrics["grad_norm"] = distributed.clip_grad_norm(self.trainer.strategy, self.scorer, self.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad()
-            self.lr_schedulers().step()
-        metrics |= {"documents_seen": self.documents_seen, "empty_steps": self.empty_steps, "lr": lr}
+        metrics["grad_norm"] = self._update(optimizer, float(metrics["loss"]), plan)
+        metrics |= {"documents_seen": self.documents_seen, "empty_steps": self.empty_steps,
+                    "bad_steps": self.bad_steps, "lr": lr}
         metrics |= mean_over_ranks(step.stats, self.device)
         if getattr(self.source, "exact", False):
             metrics["carried_documents"] = step.carried_over
@@ -178,6 +184,37 @@ class PolicyModule(L.LightningModule):
             warn_if_off_policy(metrics, self.settings.temperature)
         self._log_step(metrics)
         return None
+
+    def _update(self, optimizer, loss: float, plan: StepPlan) -> float:
+        """Clip and apply the step's gradient; returns the gradient norm before clipping.
+
+        No update for a step with nothing to train on, or whose loss or gradient is not finite on
+        some rank (every rank sees the same all-reduced loss and norm, so all skip together);
+        ``max_bad_steps`` such steps in a row stop the run.
+        """
+        if plan.totals.tokens.item() == 0:
+            optimizer.zero_grad()
+            self.empty_steps += 1
+            rank_zero_warn(f"step {self.steps_done}: no labelled token in the step; no update")
+            return 0.0
+        grad_norm = distributed.clip_grad_norm(self.trainer.strategy, self.scorer, self.grad_clip)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            optimizer.zero_grad()
+            self.bad_steps += 1
+            self.consecutive_bad_steps += 1
+            rank_zero_warn(f"step {self.steps_done}: loss {loss} or gradient norm {grad_norm} is not finite; no update")
+            if self.consecutive_bad_steps >= self.max_bad_steps:
+                raise TrainingDiverged(
+                    f"training stopped at step {self.steps_done}: {self.consecutive_bad_steps} steps in a row with a "
+                    "non-finite loss or gradient (trainer.max_bad_steps). Lower optimizer.lr, keep trainer.grad_clip "
+                    "on, or check the rollouts."
+                )
+            return grad_norm
+        self.consecutive_bad_steps = 0
+        optimizer.step()
+        optimizer.zero_grad()
+        self.lr_schedulers().step()
+        return grad_norm
 
     def _log_step(self, metrics: dict) -> None:
         first = ("loss", "num_documents", "documents_seen", "num_tokens", "grad_norm", "lr")
@@ -193,6 +230,7 @@ class PolicyModule(L.LightningModule):
             "steps_done": self.steps_done,
             "documents_seen": self.documents_seen,
             "empty_steps": self.empty_steps,
+            "bad_steps": (self.bad_steps, self.consecutive_bad_steps),
             "ranks": distributed.all_gather_objects(
                 {"source": self.source.state_dict(), "torch_rng": torch.get_rng_state()}
             ),
@@ -208,6 +246,7 @@ class PolicyModule(L.LightningModule):
         self.steps_done = state["steps_done"]
         self.documents_seen = state["documents_seen"]
         self.empty_steps = state["empty_steps"]
+        self.bad_steps, self.consecutive_bad_steps = state["bad_steps"]
         mine = state["ranks"][self.global_rank]
         self.source.load_state_dict(mine["source"])
         torch.set_rng_state(mine["torch_rng"])

@@ -18,7 +18,7 @@ import torch
 
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.rollout.advantages import group_advantages
-from rlcli.rollout.sampler import sample_completions
+from rlcli.rollout.sampler import check_sampling_options, sample_completions
 
 __all__ = ["OnPolicyRollouts", "save_jsonl", "step_seed"]
 
@@ -34,7 +34,8 @@ class OnPolicyRollouts:
 
     Every rank draws its own ``prompts_per_step`` prompts and samples ``group_size`` completions
     of each; a group is the completions of one prompt. ``estimator`` is ``"grpo"`` or ``"dr_grpo"``
-    (see `group_advantages`).
+    (see `group_advantages`). Sampling options are those of `sample_completions`; the model
+    given to ``generate`` is the bare Hugging Face module (not a DDP wrapper).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class OnPolicyRollouts:
             raise ValueError(f"estimator must be 'grpo' or 'dr_grpo', got {estimator!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        check_sampling_options(max_new_tokens, temperature, top_p, top_k)
         self.task = task
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size

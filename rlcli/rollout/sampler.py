@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-__all__ = ["Completion", "sample_completions"]
+__all__ = ["Completion", "check_sampling_options", "sample_completions"]
 
 
 @dataclass
@@ -26,7 +26,8 @@ class Completion:
     stopped: bool
 
 
-def _check_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+def check_sampling_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    """Raise ``ValueError`` naming the first invalid sampling option."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < temperature < float("inf"):
@@ -85,7 +86,7 @@ def sample_completions(
     (on any device), so a seeded generator reproduces the samples. Logits are taken in float32.
     The model runs in eval mode and gets its previous mode back.
     """
-    _check_options(max_new_tokens, temperature, top_p, top_k)
+    check_sampling_options(max_new_tokens, temperature, top_p, top_k)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, each with at least one token")
     device = next(model.parameters()).device

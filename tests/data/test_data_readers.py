@@ -26,8 +26,8 @@ RULES = [
     ("prompt_empty", (), {"prompt_ids": []}, "prompt_ids", "empty", True),
     ("prompt_bool", (), {"prompt_ids": [1, True]}, "prompt_ids", "element 1 is True (a boolean)", False),
     ("prompt_float", (), {"prompt_ids": [1.0, 3.0]}, "prompt_ids", "element 0 is 1.0 (a float)", True),
-    ("prompt_out_of_vocab", (), {"prompt_ids": [1, 50]}, "prompt_ids", "element 1 is 50, outside the vocabulary [0, 50)",
-     True),
+    ("prompt_out_of_vocab", (), {"prompt_ids": [1, 50]}, "prompt_ids",
+     "element 1 is 50, outside the vocabulary [0, 50)", True),
     ("prompt_negative", (), {"prompt_ids": [-1, 2]}, "prompt_ids", "element 0 is -1, token ids must be >= 0", True),
     ("completion_missing", ("completion_ids",), {}, "completion_ids", "missing", True),
     ("completion_null", (), {"completion_ids": None}, "completion_ids", "null", False),
@@ -114,7 +114,8 @@ def test_jsonl_and_parquet_give_the_same_rollouts(tmp_path, record, write_jsonl,
     from_jsonl, _ = load_rollouts([write_jsonl(tmp_path / "a.jsonl", records)], vocab_size=VOCAB)
     from_parquet, _ = load_rollouts([write_parquet(tmp_path / "a.parquet", records)], vocab_size=VOCAB)
     def content(r):
-        return r.prompt_ids, r.completion_ids, r.old_logprobs, r.advantages, r.completion_mask, r.group_id, r.temperature
+        return (r.prompt_ids, r.completion_ids, r.old_logprobs, r.advantages, r.completion_mask, r.group_id,
+                r.temperature)
 
     assert [content(r) for r in from_jsonl] == [content(r) for r in from_parquet]
     assert from_parquet[0].advantages == (0.5, -0.5) and from_parquet[0].completion_mask == (1, 0)

@@ -126,7 +126,14 @@ def test_every_group_has_group_size_documents(task, model):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(prompts_per_step=0), dict(group_size=0), dict(estimator="ppo"), dict(rank=2, world_size=2)],
+    [
+        dict(prompts_per_step=0),
+        dict(group_size=0),
+        dict(estimator="ppo"),
+        dict(rank=2, world_size=2),
+        dict(temperature=0.0),
+        dict(max_new_tokens=0),
+    ],
 )
 def test_bad_options(task, options):
     with pytest.raises(ValueError):
