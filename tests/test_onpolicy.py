@@ -74,13 +74,20 @@ def test_generation_is_reproducible_with_a_seed(tmp_path):
 
 def test_a_custom_task_plugs_in_by_target(tmp_path):
     module, rows = train_on_policy(tmp_path, "~task", "+task._target_=train_helpers.EchoTask", "+task.letters=xy",
-                                   steps=1)
+                                   "allow_targets=[train_helpers]", steps=1)
     assert module.policy.config.vocab_size == 4  # pad, eos, x, y: the tiny model takes the task's vocabulary
     assert 0.0 <= float(rows[0]["reward"]) <= 1.0
 
 
+def test_task_targets_outside_the_allowlist_are_refused(tmp_path):
+    result = run_rlcli(["train", "data=generate", "task._target_=os.system"], cwd=tmp_path)
+    assert result.returncode == 2 and "task._target_: 'os.system' is outside the allowed modules" in result.stderr
+    assert "allow_targets=[os]" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_task_target_that_does_not_exist_is_a_clear_error(tmp_path):
-    result = run_rlcli(["train", "data=generate", "task._target_=nowhere.Task"], cwd=tmp_path)
+    result = run_rlcli(["train", "data=generate", "task._target_=nowhere.Task", "allow_targets=[nowhere]"],
+                       cwd=tmp_path)
     assert result.returncode == 2 and "task: cannot build nowhere.Task" in result.stderr
     assert "Traceback" not in result.stderr
 

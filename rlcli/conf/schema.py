@@ -188,6 +188,7 @@ class LoggerConfig:
 class TrainConfig:
     seed: int = bounded(ge=0)
     resume: Optional[str]
+    allow_targets: list[str]
     loss: LossConfig
     aggregation: AggregationConfig
     metrics: MetricsConfig

@@ -122,6 +122,34 @@ def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> N
             _check_value(node[name], hints[name], key_path, problems, dict(f.metadata))
 
 
+TRUSTED_TARGET_MODULES = ("rlcli", "torch", "transformers")
+
+
+def _target_paths(node, path: str = ""):
+    """``(key path, value)`` of every ``_target_`` in the config."""
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            if OmegaConf.is_missing(node, key):
+                continue
+            child = f"{path}.{key}" if path else str(key)
+            if key == "_target_":
+                yield child, node[key]
+            else:
+                yield from _target_paths(node[key], child)
+
+
+def _check_targets(cfg: DictConfig, problems: list[str]) -> None:
+    """``_target_`` builds any importable object: only rlcli, torch and transformers ones unless
+    the user names more modules in ``allow_targets``."""
+    allowed = TRUSTED_TARGET_MODULES + tuple(cfg.get("allow_targets") or ())
+    for path, target in _target_paths(cfg):
+        if not any(str(target) == m or str(target).startswith(m + ".") for m in allowed):
+            problems.append(
+                f"{path}: {target!r} is outside the allowed modules ({', '.join(allowed)}); "
+                f"to trust it, add allow_targets=[{str(target).split('.')[0]}]"
+            )
+
+
 def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
     """Combinations of fields that the schema alone cannot express (SPEC §4)."""
     strategy, trainer = cfg.get("strategy"), cfg.get("trainer")
@@ -169,6 +197,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
     problems: list[str] = []
     _check_dataclass(node, TrainConfig, "", problems)
     _check_rules(node, problems)
+    _check_targets(node, problems)
     if problems:
         raise ConfigError(problems)
     return node
