@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.console import RichConsole
+from rlcli.callbacks.preemption import StopOnSignal
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.stream import DocumentStream
@@ -127,6 +128,7 @@ def make_source_factory(cfg: DictConfig, rollouts: list[Rollout] | None, task, r
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
+    checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)
     return L.Trainer(
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
@@ -135,7 +137,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy) -> L.Trainer:
         strategy=strategy,
         precision=cfg.trainer.precision,
         logger=build_loggers(cfg, run_dir),
-        callbacks=[StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every), RichConsole(cfg, run_dir)],
+        callbacks=[checkpoint, StopOnSignal(checkpoint), RichConsole(cfg, run_dir)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

@@ -74,6 +74,11 @@ def train(cfg: DictConfig, run_dir: Path):
         log.info("resuming from %s", checkpoint)
     try:
         trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=checkpoint, weights_only=True)
+        if module.preempted:
+            if trainer.is_global_zero:
+                log.warning("stopped by a signal after step %d; checkpoint saved, continue with resume=auto",
+                            module.steps_done)
+            return module
         export_policy(module, trainer, run_dir / "export", cfg.model)
     finally:
         finish_loggers(trainer.loggers)
@@ -90,7 +95,11 @@ def hydra_main(cfg: DictConfig) -> None:
     global task_started
     task_started = True
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        module = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except UserError as err:
         print(f"rlcli train: error: {err}", file=sys.stderr)
         sys.exit(2)
+    from rlcli.callbacks.preemption import PREEMPTED_EXIT_CODE
+
+    if module.preempted and module.global_rank == 0:
+        sys.exit(PREEMPTED_EXIT_CODE)  # other ranks exit 0, so that no launcher kills rank 0 first

@@ -39,6 +39,10 @@ class StepCheckpoint(L.Callback):
         self.every = every
         self._saved_step = -1
 
+    def save_now(self, trainer) -> None:
+        """Save the current step's checkpoint (once)."""
+        self._save_step(trainer)
+
     def _save_step(self, trainer) -> None:
         step = trainer.lightning_module.steps_done
         if step != self._saved_step:

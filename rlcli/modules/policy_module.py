@@ -107,6 +107,11 @@ class PolicyModule(L.LightningModule):
         self.last_metrics: dict[str, float] = {}  # the latest step's row, for the console
 
     @property
+    def preempted(self) -> bool:
+        """Training stopped early because a rank received SIGTERM or SIGUSR1."""
+        return any(getattr(c, "preempted", False) for c in self.trainer.callbacks)
+
+    @property
     def policy(self) -> torch.nn.Module:
         return self.scorer.policy
 
