@@ -13,9 +13,10 @@ GROUP_OPTIONS = [
     "aggregation=constant aggregation.divisor=512",
     "metrics=none", "metrics=basic", "metrics=with_entropy",
     "model=tiny", "model=hf model.path=/some/checkpoint",
-    "data=rollouts", "optimizer=adamw", "optimizer=sgd", "trainer=default", "strategy=auto",
+    "data=rollouts", "data=generate", "optimizer=adamw", "optimizer=sgd", "trainer=default", "strategy=auto",
     "logger=csv", "logger=none", "logger=wandb", "logger=tensorboard", "logger=[wandb,tensorboard]",
-    "strategy=ddp", "strategy=fsdp2", "experiment=gspo_dr",
+    "strategy=ddp", "strategy=fsdp2 data=rollouts", "experiment=gspo_dr", "task=addition", "task=reverse",
+    "launcher=local", "launcher=slurm",
 ]
 
 
@@ -25,6 +26,11 @@ def test_every_group_option_composes_and_validates(overrides):
     group, _, option = overrides.split()[0].partition("=")
     if group == "experiment":
         assert (cfg.loss.name, cfg.aggregation.name, cfg.aggregation.divisor) == ("gspo", "constant", 1)
+    elif group == "task":
+        assert cfg.task._target_ == {"addition": "rlcli.rollout.tasks.AdditionTask",
+                                     "reverse": "rlcli.rollout.tasks.ReverseTask"}[option]
+    elif group == "launcher":
+        assert cfg.resume == ("auto" if option == "slurm" else None)  # the launcher itself lives in hydra.*
     elif group == "logger":
         assert set(cfg.logger) == set(option.strip("[]").split(",")) - {"csv", "none"}
     else:
@@ -56,11 +62,16 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("trainer.max_steps=abc", "trainer.max_steps: expected int"),
         ("trainer.max_steps=0", "trainer.max_steps: must be >= 1"),
         ("trainer.precision=8-true", "trainer.precision: must be one of"),
-        ("data.on_invalid=ignore", "data.on_invalid: must be one of"),
-        ("data.paths=a.jsonl", "data.paths: expected a list"),
+        ("data=rollouts data.on_invalid=ignore", "data.on_invalid: must be one of"),
+        ("data=rollouts data.paths=a.jsonl", "data.paths: expected a list"),
+        ("rollout.group_size=0", "rollout.group_size: must be >= 1"),
+        ("rollout.top_p=1.5", "rollout.top_p: must be <= 1"),
+        ("advantage.estimator=none", "advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo"),
+        ("strategy=fsdp2", "strategy: on-policy generation (data=generate) runs with strategy=auto or ddp"),
         ("model=hf", "model.path: is required"),
         ("optimizer.lr=-1", "optimizer.lr: must be > 0"),
         ("advantage.estimator=ppo", "advantage.estimator: must be one of"),
+        ("optimizer.lr=0", "optimizer.lr: must be > 0"),
         ("+trainer.max_epochs=3", "trainer.max_epochs: unknown key"),
         ("+lossy=1", "lossy: unknown key"),
     ],
@@ -77,7 +88,10 @@ def test_all_problems_are_reported_together():
 
 def test_valid_default_config_has_no_problem():
     cfg = validate_config(compose_train_config())
-    assert cfg.loss.name == "grpo" and cfg.data.paths[0].endswith("toy_rollouts.jsonl")
+    assert cfg.loss.name == "grpo" and cfg.data.kind == "generate" and cfg.task._target_.endswith("ReverseTask")
+    assert cfg.optimizer.lr == cfg.model.suggested_lr == 2e-3
+    rollouts = validate_config(compose_train_config(["data=rollouts"]))
+    assert rollouts.data.paths[0].endswith("toy_rollouts.jsonl") and "rollout" not in rollouts
 
 
 @pytest.mark.parametrize(
@@ -86,7 +100,7 @@ def test_valid_default_config_has_no_problem():
         (["loss.eps_low=2", "trainer.max_steps=0"], "Invalid configuration (2 problems)"),
         (["loss=ppo"], "Could not find 'loss/ppo'"),
         (["trainer.max_epochs=1"], "trainer.max_epochs"),
-        (["data.paths=[missing.jsonl]"], "missing.jsonl"),
+        (["data=rollouts", "data.paths=[missing.jsonl]"], "missing.jsonl"),
         (["model=hf", "model.path=/nonexistent"], "model.path: /nonexistent is not a Hugging Face checkpoint"),
     ],
 )

@@ -51,7 +51,7 @@ def test_rollout_files_not_sampled_from_this_model_are_warned(tmp_path):
     records = [rollout_record(g, old_logprobs=[-0.2] * 4) for g in range(8)]  # far likelier than the model says
     data = write_jsonl(tmp_path / "far.jsonl", records)
     with pytest.warns(UserWarning, match=r"first step: ratio_new_old=0\.\d+, kl_new_old=\d+\.\d+, far from on-policy"):
-        train(compose_train_config([f"data.paths=[{data}]", "trainer.max_steps=1"]), tmp_path / "run")
+        train(compose_train_config(["data=rollouts", f"data.paths=[{data}]", "trainer.max_steps=1"]), tmp_path / "run")
 
 
 def test_saved_rollouts_replay_from_files(tmp_path):

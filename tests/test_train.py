@@ -25,7 +25,7 @@ SPEC_METRICS = {
 def train_in_process(tmp_path: Path, rollouts: Path, *overrides: str, steps: int = 3):
     run_dir = tmp_path / "run"
     cfg = compose_train_config([
-        f"data.paths=[{rollouts}]", "data.max_tokens=32", f"trainer.max_steps={steps}",
+        "data=rollouts", f"data.paths=[{rollouts}]", "data.max_tokens=32", f"trainer.max_steps={steps}",
         "trainer.accumulate_microbatches=2", "optimizer.lr=1e-2", *overrides,
     ])
     return train(cfg, run_dir), run_dir
@@ -83,7 +83,7 @@ def test_export_reloads_with_transformers_and_gives_the_same_logits(tmp_path, sm
 def test_checkpoint_every_n_steps(tmp_path, small_rollouts):
     _, run_dir = train_in_process(tmp_path, small_rollouts, "trainer.checkpoint_every=2", steps=3)
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == ["last.ckpt", "step-2.ckpt"]
+    assert names == ["last.ckpt", "step-2.ckpt", "step-3.ckpt"]  # every 2 steps, and the final step
 
 
 def test_run_ends_when_the_data_is_used_up_and_trains_every_document_once(tmp_path, small_rollouts):
@@ -150,21 +150,21 @@ def test_one_step_of_many_micro_batches_equals_one_big_micro_batch(tmp_path, sma
 
 
 def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
-    from rlcli.build import build_module
     from rlcli.data.packing import make_micro_batch
     from rlcli.data.readers import load_rollouts
     from rlcli.models import build_policy
+    from rlcli.modules.scorer import TokenScorer
     from rlcli.rollout.advantages import apply_advantage_estimator
 
     torch.manual_seed(0)
-    cfg = compose_train_config()
-    module = build_module(cfg, build_policy(cfg.model), [])
+    policy = build_policy(compose_train_config(["data=rollouts"]).model)
+    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
     documents, _ = load_rollouts([small_rollouts], vocab_size=64)
     documents = apply_advantage_estimator(documents, "grpo")[:6]
 
     def logprobs_of(batch):
         with torch.no_grad():
-            return module.scorer(batch.input_ids, batch.position_ids, batch.labels)[0]
+            return scorer(batch.input_ids, batch.position_ids, batch.labels)[0]
 
     packed = logprobs_of(make_micro_batch(documents))
     alone = torch.cat([logprobs_of(make_micro_batch([doc])) for doc in documents])
@@ -181,6 +181,6 @@ def test_cli_default_training_and_bad_data_exit_codes(tmp_path):
     assert "step 2/2" in result.stdout and "export (Hugging Face):" in result.stdout  # progress and summary
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [rollout_record(0, old_logprobs=[0.1, -1, -1, -1])])
-    result = run_rlcli(["train", f"data.paths=[{bad}]"], cwd=tmp_path)
+    result = run_rlcli(["train", "data=rollouts", f"data.paths=[{bad}]"], cwd=tmp_path)
     assert result.returncode == 2
     assert f"{bad}:1: field 'old_logprobs'" in result.stderr and "Traceback" not in result.stderr

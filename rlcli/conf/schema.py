@@ -50,6 +50,7 @@ class TinyModelConfig:
     max_position_embeddings: int = bounded(ge=1)
     dtype: DTYPES
     gradient_checkpointing: bool
+    suggested_lr: float = bounded(gt=0)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class HFModelConfig:
     gradient_checkpointing: bool
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
     trust_remote_code: bool
+    suggested_lr: float = bounded(gt=0)
 
 
 @dataclass

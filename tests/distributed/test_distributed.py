@@ -28,7 +28,7 @@ LR = 0.5
 
 
 def two_rank_overrides(data, strategy, *extra):
-    return [f"data.paths=[{data}]", f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu",
+    return ["data=rollouts", f"data.paths=[{data}]", f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu",
             "logger=none", *extra]
 
 
