@@ -1,24 +1,70 @@
-"""``python -m benchmarks [NAME ...]``: run the named benchmarks (all by default) with their
-default settings. Each one also runs alone with its own options: ``python -m benchmarks.NAME --help``.
+"""``python -m benchmarks [NAME ...] [--json PATH] [--device cpu|cuda]``: run the named benchmarks
+(all by default) with the settings of issue 8 and print their tables. Each one also runs alone with
+its own options: ``python -m benchmarks.NAME --help``.
+
+* ``lm_head``: token_logprobs + policy_loss (grpo, gspo, ± entropy) against the naive full-logits
+  head at N×H×V = 4096×512×32000 and 1024×512×152064, chunk_tokens=DEFAULT_CHUNK_TOKENS, with
+  the 6·N·H·V floor at the measured matmul rate;
+* ``throughput``: packed micro-batches (pack_documents + TokenScorer) against a padded loop;
+* ``docs_per_step``: the document-count all-reduce overhead (CPU, gloo).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from pathlib import Path
 
-from benchmarks import docs_per_step, lm_head
+from benchmarks import docs_per_step, lm_head, throughput
 
-BENCHMARKS = {"lm_head": lm_head.main, "docs_per_step": docs_per_step.main}
+# the chunk size rlcli's head path is measured with (recommended loss.chunk_tokens): at V = 152064 a
+# 128-token chunk of float32 logits is 74 MiB
+DEFAULT_CHUNK_TOKENS = 128
+SIZES = ["4096x512x32000", "1024x512x152064"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    names = (sys.argv[1:] if argv is None else argv) or list(BENCHMARKS)
+def _lm_head(device: str, json_path: Path | None):
+    argv = ["--sizes", *SIZES, "--losses", "grpo", "gspo", "--entropy", "both",
+            "--chunk-tokens", str(DEFAULT_CHUNK_TOKENS), "--repeats", "5", "--warmup", "1", "--device", device]
+    return lm_head.main(argv + (["--json", str(json_path)] if json_path else []))
+
+
+def _throughput(device: str, json_path: Path | None):
+    argv = ["--chunk-tokens", str(DEFAULT_CHUNK_TOKENS), "--device", device]
+    return throughput.main(argv + (["--json", str(json_path)] if json_path else []))
+
+
+def _docs_per_step(device: str, json_path: Path | None):
+    return docs_per_step.main(["--json", str(json_path)] if json_path else [])
+
+
+BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCHMARKS)}")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write all results as one JSON file")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (docs_per_step always runs on CPU)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         sys.exit(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    results = {}
     for name in names:
         print(f"## {name}", flush=True)
-        BENCHMARKS[name]([])
+        part = args.json.with_suffix(f".{name}.json") if args.json else None
+        BENCHMARKS[name](args.device, part)
+        if part is not None:
+            results[name] = json.loads(part.read_text())
+            part.unlink()
+        print(flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return results
 
 
 if __name__ == "__main__":

@@ -60,11 +60,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-naive", action="store_true", help="skip the naive full-logits baseline")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="dtype of hidden and weight (bfloat16 runs the head with fp32=True)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="dtype of hidden and weight (default float32 on CPU, bfloat16 on CUDA; "
+                             "bfloat16 runs the head with fp32=True)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--doc-tokens", type=int, default=256, help="tokens per document of the synthetic step")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--sizes", type=_size, nargs="+", default=None, metavar="NxHxV",
+                        help="several sizes in one run (overrides --tokens/--hidden/--vocab)")
+    parser.add_argument("--losses", nargs="+", choices=["grpo", "gspo"], default=["grpo"], help="policy losses to run")
+    parser.add_argument("--entropy", choices=["off", "on", "both"], default="off",
+                        help="also compute the entropy (metrics: with_entropy)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA: bfloat16 inputs, fp32 head)")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip measuring the matmul rate and the 6·N·H·V floor")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("tokens", "hidden", "vocab", "repeats", "doc_tokens"):
@@ -94,13 +103,36 @@ def _maxrss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _naive_logprobs(hidden, weight, labels, temperature):
-    """Full logits, log_softmax, gather: what the chunked head avoids."""
+def _naive_logprobs(hidden, weight, labels, temperature, with_entropy=False):
+    """Full logits, log_softmax, gather (and entropy): what the chunked head avoids. Plain autograd
+    keeps the ``[N, V]`` logits and log-probabilities alive until the backward."""
     logits = hidden.float() @ weight.float().T  # [N, V]
     log_p = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
     valid = labels >= 0
     picked = log_p.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)  # [N]
-    return torch.where(valid, picked, torch.zeros_like(picked))
+    lp = torch.where(valid, picked, torch.zeros_like(picked))
+    if not with_entropy:
+        return lp, None
+    ent = -(log_p.exp() * log_p).sum(-1)  # [N]
+    return lp, torch.where(valid, ent, torch.zeros_like(ent))
+
+
+def _make_step_inputs(cfg: dict, device: torch.device):
+    """A synthetic step: documents of ``doc_tokens`` tokens with a short prompt, four per group."""
+    n, h, v = cfg["tokens"], cfg["hidden"], cfg["vocab"]
+    dtype = getattr(torch, cfg["dtype"])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_(True)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(device, dtype).requires_grad_(True)
+    doc = torch.arange(n) // cfg["doc_tokens"]
+    position = torch.arange(n) % cfg["doc_tokens"]
+    mask = (position >= min(16, cfg["doc_tokens"] // 4)).float()  # a short prompt per document
+    labels = torch.where(mask > 0, torch.randint(0, v, (n,), generator=g), torch.full((n,), -100))
+    group = doc // 4  # four documents per prompt
+    advantages = torch.randn(n // cfg["doc_tokens"] + 1, generator=g)[doc]  # one advantage per document
+    old_logprobs = -torch.rand(n, generator=g) * 10 - 0.1  # plausible sampler log-probs: ratios far from 1, some clipped
+    rest = [t.to(device) for t in (labels, mask, doc, group, advantages, old_logprobs)]
+    return hidden, weight, *rest
 
 
 def _worker(cfg: dict) -> dict:
@@ -108,45 +140,51 @@ def _worker(cfg: dict) -> dict:
 
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
+    device = torch.device(cfg.get("device", "cpu"))
+    cuda = device.type == "cuda"
+    loss_name, with_entropy = cfg.get("loss", "grpo"), bool(cfg.get("entropy", False))
+    metrics = "with_entropy" if with_entropy else "basic"
     torch.manual_seed(0)
-    n, h, v = cfg["tokens"], cfg["hidden"], cfg["vocab"]
-    dtype = getattr(torch, cfg["dtype"])
-    hidden = torch.randn(n, h, dtype=dtype).requires_grad_(True)
-    weight = (torch.randn(v, h) / h**0.5).to(dtype).requires_grad_(True)
-    doc = torch.arange(n) // cfg["doc_tokens"]
-    position = torch.arange(n) % cfg["doc_tokens"]
-    mask = (position >= min(16, cfg["doc_tokens"] // 4)).float()  # a short prompt per document
-    labels = torch.where(mask > 0, torch.randint(0, v, (n,)), torch.full((n,), -100))
-    group = doc // 4  # four documents per prompt
-    advantages = torch.randn(n // cfg["doc_tokens"] + 1)[doc]  # one advantage per document
-    old_logprobs = -torch.rand(n) * 10 - 0.1  # plausible sampler log-probs: ratios far from 1, some clipped
+    hidden, weight, labels, mask, doc, group, advantages, old_logprobs = _make_step_inputs(cfg, device)
+    # the fp32 head for half inputs (what the trainer runs with fp32_lm_head: true)
+    fp32 = hidden.dtype in (torch.float16, torch.bfloat16)
+
+    def forward_backward(hidden, weight, labels, sl, chunk):
+        if chunk == NAIVE:
+            lp, ent = _naive_logprobs(hidden, weight, labels, 1.0, with_entropy)
+        else:
+            lp, ent = token_logprobs(hidden, weight, labels, fp32=fp32, chunk_tokens=chunk, with_entropy=with_entropy)
+        loss, _ = policy_loss(lp, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], group[sl],
+                              loss=loss_name, aggregation="token_mean", metrics=metrics, entropy=ent)
+        loss.backward()
+        return loss
 
     def step():
         hidden.grad = None
         weight.grad = None
-        if cfg["chunk_tokens"] == NAIVE:
-            lp = _naive_logprobs(hidden, weight, labels, 1.0)
-        else:
-            lp, _ = token_logprobs(hidden, weight, labels, fp32=True, chunk_tokens=cfg["chunk_tokens"])
-        loss, _ = policy_loss(lp, old_logprobs, advantages, mask, doc, group, loss="grpo", aggregation="token_mean")
-        loss.backward()
+        loss = forward_backward(hidden, weight, labels, slice(None), cfg["chunk_tokens"])
+        if cuda:
+            torch.cuda.synchronize(device)
         return float(loss.detach())
 
     # load and initialise the kernels (BLAS, softmax, autograd) on a tiny problem first, so that
     # their one-off buffers are not counted as the configuration's memory
     tiny_h = hidden.detach()[:8].clone().requires_grad_(True)
     tiny_w = weight.detach()[:64].clone().requires_grad_(True)
-    tiny_labels = labels[:8].clamp(max=63)
-    if cfg["chunk_tokens"] == NAIVE:
-        tiny_lp = _naive_logprobs(tiny_h, tiny_w, tiny_labels, 1.0)
-    else:
-        tiny_lp, _ = token_logprobs(tiny_h, tiny_w, tiny_labels, fp32=True, chunk_tokens=min(cfg["chunk_tokens"], 4))
-    tiny_loss, _ = policy_loss(tiny_lp, old_logprobs[:8], advantages[:8], mask[:8], doc[:8], group[:8])
-    tiny_loss.backward()
-    del tiny_h, tiny_w, tiny_lp, tiny_loss
+    chunk = cfg["chunk_tokens"]
+    forward_backward(tiny_h, tiny_w, labels[:8].clamp(max=63), slice(0, 8), chunk if chunk == NAIVE else min(chunk, 4))
+    del tiny_h, tiny_w
 
-    rss_inputs = _rss_bytes()
-    maxrss_inputs = _maxrss_bytes()
+    # the gradients of hidden and weight are outputs every implementation must produce (and the
+    # optimizer keeps): "peak extra" is what the step needs beyond the inputs and these gradients
+    grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+    if cuda:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        rss_inputs = _rss_bytes()
+        maxrss_inputs = _maxrss_bytes()
     for _ in range(cfg["warmup"]):
         step()
     times = []
@@ -154,17 +192,48 @@ def _worker(cfg: dict) -> dict:
         start = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - start)
-    maxrss_end = _maxrss_bytes()
+    if cuda:
+        raw_extra = torch.cuda.max_memory_allocated(device) - base
+        lower_bound = False
+    else:
+        maxrss_end = _maxrss_bytes()
+        raw_extra = maxrss_end - rss_inputs
+        lower_bound = maxrss_end <= maxrss_inputs
     return dict(
         chunk_tokens=cfg["chunk_tokens"],
+        loss_name=loss_name,
+        entropy=with_entropy,
+        device=str(device),
         median_s=statistics.median(times),
         min_s=min(times),
         times_s=times,
-        peak_extra_mib=(maxrss_end - rss_inputs) / 2**20,
-        peak_is_lower_bound=maxrss_end <= maxrss_inputs,
+        peak_extra_mib=max(raw_extra - grads_bytes, 0) / 2**20,
+        raw_peak_extra_mib=raw_extra / 2**20,
+        grads_mib=grads_bytes / 2**20,
+        peak_is_lower_bound=lower_bound,
         loss=loss,
         threads=torch.get_num_threads(),
     )
+
+
+def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", repeats: int = 5,
+                 threads: int = 0) -> float:
+    """Measured float32 FLOP/s of one ``[N, H] @ [H, V]`` matmul (median of ``repeats`` after a warm-up)."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    a = torch.randn(tokens, hidden, device=dev)
+    b = torch.randn(vocab, hidden, device=dev)
+    out = torch.empty(tokens, vocab, device=dev)
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        torch.mm(a, b.T, out=out)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:
+            times.append(time.perf_counter() - start)
+    return 2 * tokens * hidden * vocab / statistics.median(times)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,25 +292,104 @@ def format_table(results: list[dict], config: dict) -> str:
     return "\n".join(lines)
 
 
+def _size(text: str) -> tuple[int, int, int]:
+    try:
+        n, h, v = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NxHxV, e.g. 4096x512x32000, got {text!r}") from None
+    if min(n, h, v) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {text!r}")
+    return n, h, v
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))} ({device})"
+    return _cpu_name()
+
+
+def format_comparison(rows: list[dict]) -> str:
+    """The side-by-side table: naive vs token_logprobs per (size, loss, entropy), with the FLOP floor."""
+    lines = [
+        "| N×H×V | loss | entropy | chunk | naive s | rlcli s | time ratio | naive MiB | rlcli MiB | mem ratio "
+        "| floor s (6NHV) | rlcli % of floor | naive % of floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']}×{r['hidden']}×{r['vocab']} | {r['loss_name']} | {'yes' if r['entropy'] else 'no'} "
+            f"| {r['chunk_tokens']} | {r['naive_s']:.3g} | {r['rlcli_s']:.3g} | {r['time_ratio']:.2f} "
+            f"| {r['naive_mib']:.0f} | {r['rlcli_mib']:.0f} | {r['mem_ratio']:.3f} | {r['floor_s']:.3g} "
+            f"| {r['rlcli_floor_fraction']:.0%} | {r['naive_floor_fraction']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = _parse(argv)
     if args.worker is not None:
         print(json.dumps(_worker(json.loads(args.worker))))
         return []
-    base = dict(
-        tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, repeats=args.repeats, warmup=args.warmup,
-        dtype=args.dtype, threads=args.threads, doc_tokens=args.doc_tokens,
-    )
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    dtype = args.dtype if args.dtype is not None else ("bfloat16" if args.device.startswith("cuda") else "float32")
+    sizes = args.sizes or [(args.tokens, args.hidden, args.vocab)]
+    entropies = {"off": [False], "on": [True], "both": [False, True]}[args.entropy]
     chunks = ([] if args.no_naive else [NAIVE]) + list(dict.fromkeys(args.chunk_tokens))
-    results = []
-    for chunk in chunks:
-        print(f"running {_label(chunk)} ...", file=sys.stderr, flush=True)
-        results.append(_run_in_subprocess(base | {"chunk_tokens": chunk}))
-    config = base | dict(torch=torch.__version__, cpu=_cpu_name(), python=platform.python_version())
-    print(format_table(results, config))
+    device_name = _device_name(args.device)
+    results, comparison, rates = [], [], {}
+    for n, h, v in sizes:
+        if args.floor:
+            rates[f"{n}x{h}x{v}"] = rate = matmul_flops(n, h, v, device=args.device, threads=args.threads)
+            print(f"float32 [{n}, {h}] @ [{h}, {v}] matmul on {device_name}: {rate / 1e9:.1f} GFLOP/s",
+                  file=sys.stderr, flush=True)
+        for loss_name in dict.fromkeys(args.losses):
+            for entropy in entropies:
+                base = dict(
+                    tokens=n, hidden=h, vocab=v, repeats=args.repeats, warmup=args.warmup, dtype=dtype,
+                    threads=args.threads, doc_tokens=args.doc_tokens, loss=loss_name, entropy=entropy,
+                    device=args.device,
+                )
+                group = []
+                for chunk in chunks:
+                    print(f"running {n}x{h}x{v} {loss_name} entropy={entropy}: {_label(chunk)} ...",
+                          file=sys.stderr, flush=True)
+                    group.append(_run_in_subprocess(base | {"chunk_tokens": chunk}) | dict(tokens=n, hidden=h, vocab=v))
+                results += group
+                naive = next((r for r in group if r["chunk_tokens"] == NAIVE), None)
+                floor_s = 6 * n * h * v / rates[f"{n}x{h}x{v}"] if args.floor else float("nan")
+                for r in group:
+                    if naive is None or r is naive:
+                        continue
+                    comparison.append(dict(
+                        tokens=n, hidden=h, vocab=v, loss_name=loss_name, entropy=entropy,
+                        chunk_tokens=r["chunk_tokens"], naive_s=naive["median_s"], rlcli_s=r["median_s"],
+                        time_ratio=r["median_s"] / naive["median_s"], naive_mib=naive["peak_extra_mib"],
+                        rlcli_mib=r["peak_extra_mib"],
+                        mem_ratio=r["peak_extra_mib"] / max(naive["peak_extra_mib"], 1e-9), floor_s=floor_s,
+                        rlcli_floor_fraction=floor_s / r["median_s"], naive_floor_fraction=floor_s / naive["median_s"],
+                    ))
+    config = dict(
+        tokens=sizes[0][0], hidden=sizes[0][1], vocab=sizes[0][2], sizes=[list(x) for x in sizes],
+        repeats=args.repeats, warmup=args.warmup, dtype=dtype, threads=args.threads, doc_tokens=args.doc_tokens,
+        losses=list(dict.fromkeys(args.losses)), entropy=args.entropy, device=args.device, device_name=device_name,
+        torch=torch.__version__, cpu=_cpu_name(), python=platform.python_version(),
+        matmul_flops=rates,
+    )
+    print(f"device: {device_name}; {dtype} inputs{' (fp32 head)' if dtype != 'float32' else ''}; "
+          f"{args.repeats} timed runs after {args.warmup} warm-up, median; peak extra memory = peak beyond the "
+          "inputs and their gradients (RSS high-water on CPU, max_memory_allocated on CUDA)")
+    for key, rate in rates.items():
+        print(f"measured float32 matmul rate at {key.replace('x', '×')}: {rate / 1e9:.1f} GFLOP/s "
+              f"(floor of the head = 6·N·H·V FLOPs at this rate)")
+    if len(sizes) == 1 and len(config["losses"]) == 1 and len(entropies) == 1:
+        print(format_table(results, config))
+    if comparison:
+        print()
+        print(format_comparison(comparison))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(config=config, results=results), indent=2) + "\n")
+        args.json.write_text(json.dumps(dict(config=config, results=results, comparison=comparison), indent=2) + "\n")
     return results
 
 

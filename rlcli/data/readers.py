@@ -28,6 +28,9 @@ JSON_LINES_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_SUFFIXES = JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
 MAX_LISTED_PROBLEMS = 20
+# A JSON line nested deeper than this is rejected. Without a limit of our own, json's (the
+# recursion limit) would decide, and that depends on how deep the caller's stack already is.
+MAX_JSON_DEPTH = 100
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -119,11 +122,14 @@ def _read_json_lines(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | Reco
             try:
                 # NaN and Infinity parse; validation rejects them.
                 record = json.loads(text, object_pairs_hook=_unique_keys)
+                too_deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(record) > MAX_JSON_DEPTH
             except RecursionError:
-                yield source, RecordError(source, None, "invalid JSON: nested too deeply")
-                continue
+                too_deep = True
             except ValueError as err:  # malformed, a key given twice, an int of more than 4300 digits
                 yield source, RecordError(source, None, f"invalid JSON: {err}")
+                continue
+            if too_deep:
+                yield source, RecordError(source, None, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
                 continue
             if not isinstance(record, dict):
                 kind = type(record).__name__ if record is not None else "null"
@@ -140,6 +146,17 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"key {key!r} is given more than once")
         record[key] = value
     return record
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (1 for ``[1, 2]``), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | RecordError]]:

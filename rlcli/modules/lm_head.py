@@ -3,6 +3,19 @@
 `token_logprobs` never builds the full ``[tokens, vocab]`` logits when ``chunk_tokens > 0``: the
 forward keeps one chunk of logits at a time, and the backward recomputes them chunk by chunk
 (SPEC §2).
+
+Cost per chunk of ``C`` tokens (``V`` vocabulary, ``H`` hidden): the forward is one ``[C, H] @ [H, V]``
+matmul and one fused in-place log-softmax over the ``[C, V]`` logits; the backward recomputes the
+logits (one matmul), turns them into probabilities ``P`` in place (one fused softmax) and needs
+two more matmuls, ``P @ W`` and ``P.T @ h``. The per-token upstream gradient ``g`` and ``1 / T``
+are applied to the ``[C, H]`` operands and results, never as extra passes over ``[C, V]``:
+
+    d lp / d z = (onehot(y) - P) / T        ->  grad_h = (g / T) * (W[y] - P @ W)
+                                                 grad_W = index_add(y, (g / T) * h) - P.T @ ((g / T) * h)
+
+With entropy, ``d H / d z = -P * (log P + H) / T`` adds one fused ``[C, V]`` multiply-add. The
+price of keeping memory at ``O(C·V)`` instead of ``O(N·V)`` is the recomputed matmul: 8·N·H·V
+floating-point operations instead of 6·N·H·V.
 """
 
 from __future__ import annotations
@@ -24,20 +37,24 @@ def _chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
 
 
-def _chunk_softmax(hidden, weight, labels, temperature, compute_dtype):
-    """Log-softmax of one chunk of temperature-scaled logits.
+def _chunk_logits(h, w, temperature, softmax_dtype):
+    """Temperature-scaled logits of one chunk in ``softmax_dtype`` (float32 or float64).
 
-    hidden [C, H], weight [V, H], labels [C] -> (log_p [C, V] float32+, safe_labels [C], valid [C]).
+    h [C, H] and w [V, H] in the compute dtype -> [C, V], a fresh tensor that may be overwritten.
     """
-    logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).T  # [C, V]
-    softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
-    logits = logits.to(softmax_dtype)
+    if h.dtype == softmax_dtype:
+        if temperature != 1.0:
+            h = h / temperature  # [C, H]: cheaper than dividing the [C, V] logits
+        return h @ w.T  # [C, V]
+    logits = (h @ w.T).to(softmax_dtype)  # half matmul, float32 softmax
     if temperature != 1.0:
         logits.div_(temperature)
-    log_p = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # [C, V], in place
+    return logits
+
+
+def _labels_and_valid(labels):
     valid = labels >= 0  # [C]
-    safe_labels = torch.where(valid, labels, torch.zeros_like(labels))  # [C]
-    return log_p, safe_labels, valid
+    return torch.where(valid, labels, torch.zeros_like(labels)), valid
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -51,16 +68,23 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs = hidden.new_zeros(num_tokens, dtype=out_dtype)  # [N]
         entropy = hidden.new_zeros(num_tokens, dtype=out_dtype) if with_entropy else None  # [N]
         with torch.no_grad():
+            w = weight.to(compute_dtype)  # [V, H], converted once (a no-op unless fp32 on half)
             for start, end in _chunk_bounds(num_tokens, chunk_tokens):
-                log_p, safe_labels, valid = _chunk_softmax(
-                    hidden[start:end], weight, labels[start:end], temperature, compute_dtype
-                )
+                log_p = _chunk_logits(hidden[start:end].to(compute_dtype), w, temperature, out_dtype)
+                torch.log_softmax(log_p, -1, out=log_p)  # [C, V], fused and in place
+                safe_labels, valid = _labels_and_valid(labels[start:end])
                 picked = log_p.gather(1, safe_labels[:, None]).squeeze(1)  # [C]
                 logprobs[start:end] = torch.where(valid, picked, torch.zeros_like(picked))
                 if with_entropy:
-                    ent = -(log_p.exp() * log_p).sum(-1)  # [C]
+                    p = torch.exp(log_p)  # [C, V]
+                    ent = torch.bmm(p[:, None, :], log_p[:, :, None]).view(-1).neg_()  # [C], row dot products
                     entropy[start:end] = torch.where(valid, ent, torch.zeros_like(ent))
+                    del p
+                del log_p
         ctx.save_for_backward(hidden, weight, labels, entropy if with_entropy else None)
+        # an output that does not reach the loss (the entropy as a mere metric) gets None, not
+        # zeros, so the backward takes the cheaper path without the entropy term
+        ctx.set_materialize_grads(False)
         ctx.settings = (temperature, compute_dtype, chunk_tokens, with_entropy)
         return logprobs, entropy
 
@@ -70,36 +94,54 @@ class _TokenLogprobs(torch.autograd.Function):
         temperature, compute_dtype, chunk_tokens, with_entropy = ctx.settings
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_dtype = torch.promote_types(compute_dtype, torch.float32)
-        grad_hidden = torch.zeros_like(hidden, dtype=acc_dtype) if need_hidden else None  # [N, H]
+        grad_hidden = torch.empty_like(hidden, dtype=acc_dtype) if need_hidden else None  # [N, H]
         grad_weight = torch.zeros_like(weight, dtype=acc_dtype) if need_weight else None  # [V, H]
-        w = weight.to(compute_dtype)
+        if not (need_hidden or need_weight):
+            return None, None, None, None, None, None, None
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros(hidden.shape[0], dtype=acc_dtype, device=hidden.device)
+        use_entropy = with_entropy and grad_entropy is not None
+        w = weight.to(compute_dtype)  # [V, H]
+        w_acc = w if compute_dtype == acc_dtype else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start, end in _chunk_bounds(hidden.shape[0], chunk_tokens):
                 h = hidden[start:end].to(compute_dtype)  # [C, H]
-                log_p, safe_labels, valid = _chunk_softmax(
-                    h, w, labels[start:end], temperature, compute_dtype
-                )
-                g_lp = torch.where(valid, grad_logprobs[start:end], torch.zeros_like(log_p[:, 0]))  # [C]
-                # d lp / d z_j = (1[j = y] - p_j) / T ; d H / d z_j = -p_j (log p_j + H) / T
-                if with_entropy and grad_entropy is not None:
-                    g_ent = torch.where(valid, grad_entropy[start:end], torch.zeros_like(g_lp))  # [C]
-                    p = log_p.exp()  # [C, V]
-                    coef = log_p.add_(entropy[start:end, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])
-                    g_logits = p.mul_(coef).neg_()  # [C, V]
-                    del coef
+                safe_labels, valid = _labels_and_valid(labels[start:end])
+                zero = torch.zeros((), dtype=acc_dtype, device=h.device)
+                g_lp = torch.where(valid, grad_logprobs[start:end].to(acc_dtype), zero)  # [C]
+                s_lp = g_lp / temperature  # [C]: d L / d z_y of the label term, per token
+                logits = _chunk_logits(h, w, temperature, acc_dtype)  # [C, V]
+                if use_entropy:
+                    # d L / d z_j = [g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + H)] / T
+                    #             = [g_lp 1[j = y] - p_j (c + g_ent log p_j)] / T,  c = g_lp + g_ent H
+                    g_ent = torch.where(valid, grad_entropy[start:end].to(acc_dtype), zero)  # [C]
+                    c = g_lp + g_ent * entropy[start:end].to(acc_dtype)  # [C]
+                    log_p = torch.log_softmax(logits, -1, out=logits)  # [C, V], in place
+                    q = torch.exp(log_p)  # [C, V]
+                    torch.addcmul(c[:, None], log_p, g_ent[:, None], out=log_p)  # [C, V], in place
+                    q.mul_(log_p)  # [C, V]: p (c + g_ent log p)
+                    del log_p, logits
+                    row_scale = None  # q carries the per-token factor; 1 / T still to apply
                 else:
-                    g_logits = log_p.exp_().mul_(-g_lp[:, None])  # [C, V], in place
-                g_logits.scatter_add_(1, safe_labels[:, None], g_lp[:, None])
-                if temperature != 1.0:
-                    g_logits.div_(temperature)
-                g_logits = g_logits.to(compute_dtype)
-                del log_p
+                    q = torch.softmax(logits, -1, out=logits)  # [C, V] probabilities, in place
+                    del logits
+                    row_scale = s_lp[:, None]  # [C, 1]
+                q_c = q.to(compute_dtype)  # no-op unless a half matmul
+                del q
                 if need_hidden:
-                    grad_hidden[start:end] = g_logits @ w  # [C, H]
-                if need_weight and grad_weight.dtype == g_logits.dtype:
-                    grad_weight.addmm_(g_logits.T, h)  # [V, H], no temporary
-                elif need_weight:
-                    grad_weight += g_logits.T @ h  # [V, H] half-precision product, float32 sum
+                    qw = (q_c @ w).to(acc_dtype)  # [C, H]
+                    qw = qw.mul_(row_scale) if row_scale is not None else qw.div_(temperature)
+                    w_rows = (w_acc if w_acc is not None else w).index_select(0, safe_labels).to(acc_dtype)  # [C, H]
+                    grad_hidden[start:end] = torch.addcmul(qw.neg_(), w_rows, s_lp[:, None])  # [C, H]
+                if need_weight:
+                    h_acc = h.to(acc_dtype)
+                    h_scaled = h_acc * row_scale if row_scale is not None else h_acc / temperature  # [C, H]
+                    if compute_dtype == acc_dtype:
+                        grad_weight.addmm_(q_c.T, h_scaled, alpha=-1)  # [V, H], no temporary
+                    else:
+                        grad_weight -= (q_c.T @ h_scaled.to(compute_dtype)).to(acc_dtype)  # half product, fp32 sum
+                    grad_weight.index_add_(0, safe_labels, h_acc * s_lp[:, None])  # the one-hot term
+                del q_c
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_weight:

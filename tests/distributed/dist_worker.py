@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import rlcli.modules.policy_module as policy_module
+import rlcli.sources as sources
 from rlcli import distributed
 from rlcli.step import collect_step
 from rlcli.train import train
@@ -32,7 +32,7 @@ def main(jobs_file: str, out_dir: str) -> None:
         steps.append([[doc.index for doc in batch.documents] for batch in step.micro_batches])
         return step
 
-    policy_module.collect_step = recording_collect_step
+    sources.collect_step = recording_collect_step
     for job in json.loads(Path(jobs_file).read_text()):
         steps.clear()
         started = time.perf_counter()

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcli.data.readers import DataError, collect_rollouts, load_rollouts, write_rejections
+from rlcli.data.readers import MAX_JSON_DEPTH, DataError, collect_rollouts, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
-
-# Deeper than this, whether a JSON line parses depends on how deep the Python stack already is
-# (json and repr count nesting against the recursion limit): either verdict is allowed there.
-DEPTH_EITHER_WAY = 400
 
 _BLANK = re.compile(rb"[ \t\n\r\x0b\x0c]*")  # what bytes.strip() removes
 _BOM = b"\xef\xbb\xbf"
@@ -28,13 +24,13 @@ _BOM = b"\xef\xbb\xbf"
 
 @dataclass(frozen=True)
 class Expected:
-    """What must happen to one record: ``valid`` True/False, or None when either is allowed.
+    """What must happen to one record: accepted (``valid``) or rejected naming ``field``.
 
-    ``field`` is the field the rejection must name (``None``: no field, a line that is not a
-    JSON object; ``...``: any field). ``raw`` is the parsed record when there is one.
+    ``field`` is ``None`` for a line that is not a JSON object, ``...`` where any field will do.
+    ``raw`` is the parsed record when there is one.
     """
 
-    valid: bool | None
+    valid: bool
     field: Any = ...
     raw: Any = None
 
@@ -128,7 +124,7 @@ def expect_json_lines(data: bytes, path: Path, vocab: int, max_tokens: int | Non
 
     A record line is any line (split at ``\\n``) with something other than ASCII whitespace. It is
     a record when it is UTF-8 (a leading byte-order mark allowed) holding one JSON object whose
-    keys are all different; then SPEC §7 decides.
+    keys are all different, nested at most ``MAX_JSON_DEPTH`` levels; then SPEC §7 decides.
     """
     expected = {}
     for number, line in enumerate(data.split(b"\n"), start=1):
@@ -138,16 +134,11 @@ def expect_json_lines(data: bytes, path: Path, vocab: int, max_tokens: int | Non
         try:
             text = (line[len(_BOM) :] if line.startswith(_BOM) else line).decode("utf-8")
             value = json.loads(text, object_pairs_hook=_unique)
-        except RecursionError:
-            expected[source] = Expected(None)
-            continue
-        except ValueError:
+        except (ValueError, RecursionError):
             expected[source] = Expected(False, None)
             continue
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or _depth(value) > MAX_JSON_DEPTH:
             expected[source] = Expected(False, None)
-        elif _depth(value) > DEPTH_EITHER_WAY:
-            expected[source] = Expected(None, ..., value)
         else:
             expected[source] = expect_record(value, vocab, max_tokens)
     return expected
@@ -220,12 +211,11 @@ def check_load(
     vocab: int,
     max_tokens: int | None,
     workdir: Path,
-    num_records: int | None = None,
 ) -> tuple[list[Rollout], list]:
     """Every property of the brief for one rollout file.
 
     ``expected`` maps each record's source to its verdict; ``None`` when the test cannot know
-    the records (a damaged file), then only ``num_records`` (if known) and the SPEC are checked.
+    the records (a damaged file), then only the SPEC is checked.
     Returns the accepted documents and the rejections (both empty when the file is unreadable).
     """
     # 1. Reading never fails with anything but DataError (a clean user error naming the file).
@@ -254,23 +244,21 @@ def check_load(
         order = {source: i for i, source in enumerate(expected)}
         assert accepted == sorted(accepted, key=order.__getitem__)
         assert rejected == sorted(rejected, key=order.__getitem__)
-    if num_records is not None:
-        assert len(accepted) + len(rejected) == num_records
 
     # 3. An accepted document satisfies SPEC §7 and equals its record; a rejected one breaks a rule.
     for rollout in rollouts:
         check_rollout(rollout, vocab, max_tokens)
         if expected is not None:
             verdict = expected[rollout.source]
-            assert verdict.valid is not False, f"accepted {rollout.source} breaking {verdict.field!r}: {verdict.raw!r}"
+            assert verdict.valid, f"accepted {rollout.source} breaking {verdict.field!r}: {verdict.raw!r}"
             check_matches_record(rollout, verdict.raw)
     for rejection in rejections:
         assert rejection.reason
         assert str(rejection).startswith(rejection.source + ": ")
         if expected is not None:
             verdict = expected[rejection.source]
-            assert verdict.valid is not True, f"rejected valid {rejection.source}: {rejection}"
-            if verdict.valid is False and verdict.field is not ...:
+            assert not verdict.valid, f"rejected valid {rejection.source}: {rejection}"
+            if verdict.field is not ...:
                 assert rejection.field == verdict.field, (str(rejection), verdict.field)
 
     # 4. write_rejections of whatever was rejected.

@@ -1,0 +1,190 @@
+"""Training throughput (tokens/s) of rlcli's packed micro-batches against a padded-batch loop.
+
+Both loops train on the same synthetic rollouts (prompt 16 tokens, completion lengths spread
+uniformly over ``--min-completion``..``--max-completion``, so ≥ 4× apart by default), with the same
+tiny Llama-style model built by `rlcli.models.build_policy` and the same GRPO token-mean loss:
+
+* **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, and
+  `TokenScorer` (chunked head, ``--chunk-tokens``) forward + `policy_loss` + backward per row;
+* **padded** (the usual loop): batches of ``--batch-size`` documents in the same order, right-padded
+  to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits, log-softmax, gather,
+  the same loss, backward. ``--batch-size`` defaults to the number of documents a packed row holds
+  on average, so both loops see about the same real tokens per forward.
+
+Throughput = real (unpadded) tokens of all documents / wall time of one pass over them (median of
+``--repeats`` passes after a warm-up pass). Usage: ``python -m benchmarks.throughput [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPT_TOKENS = 16
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=64, help="rollouts per pass")
+    parser.add_argument("--min-completion", type=int, default=16)
+    parser.add_argument("--max-completion", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per packed micro-batch")
+    parser.add_argument("--batch-size", type=int, default=0, help="documents per padded batch (0: match packed)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--chunk-tokens", type=int, default=128, help="loss.chunk_tokens of the packed path")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_completion <= args.max_completion or args.documents < 1 or args.repeats < 1:
+        parser.error("need 1 <= --min-completion <= --max-completion, --documents >= 1, --repeats >= 1")
+    return args
+
+
+def _rollouts(args):
+    from rlcli.data.schema import Rollout
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(args.min_completion, args.max_completion + 1, (args.documents,), generator=g).tolist()
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, args.vocab, (PROMPT_TOKENS + n,), generator=g).tolist()
+        old = (-torch.rand(n, generator=g) * 4 - 0.1).tolist()
+        adv = float(torch.randn((), generator=g))
+        out.append(Rollout(prompt_ids=tuple(ids[:PROMPT_TOKENS]), completion_ids=tuple(ids[PROMPT_TOKENS:]),
+                           old_logprobs=tuple(old), advantages=(adv,) * n, reward=None, group_id=i // 4,
+                           completion_mask=(1,) * n, temperature=None, source=f"synthetic:{i}", index=i))
+    return out
+
+
+def _model(args, device):
+    from omegaconf import OmegaConf
+
+    from rlcli.models import build_policy
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
+    cfg.vocab_size, cfg.max_position_embeddings = args.vocab, max(1024, args.max_tokens)
+    torch.manual_seed(0)
+    return build_policy(cfg).to(device)
+
+
+def _padded_batch(docs, device):
+    """Right-padded [B, L] inputs and per-position targets (the next token where it is a completion token)."""
+    length = max(len(d.prompt_ids) + len(d.completion_ids) for d in docs)
+    b = len(docs)
+    input_ids = torch.zeros(b, length, dtype=torch.long)
+    attention = torch.zeros(b, length, dtype=torch.long)
+    labels = torch.full((b, length), -100, dtype=torch.long)
+    old = torch.zeros(b, length)
+    adv = torch.zeros(b, length)
+    for i, d in enumerate(docs):
+        ids = d.prompt_ids + d.completion_ids
+        p, n = len(d.prompt_ids), len(d.completion_ids)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        labels[i, p - 1 : p - 1 + n] = torch.tensor(d.completion_ids)
+        old[i, p - 1 : p - 1 + n] = torch.tensor(d.old_logprobs)
+        adv[i, p - 1 : p - 1 + n] = torch.tensor(d.advantages)
+    return [t.to(device) for t in (input_ids, attention, labels, old, adv)]
+
+
+def run(args) -> dict:
+    from rlcli.data.stream import pack_documents
+    from rlcli.modules import policy_loss
+    from rlcli.modules.scorer import TokenScorer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rollouts = _rollouts(args)
+    real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    packed = [mb for mb in pack_documents(rollouts, args.max_tokens)]
+    packed = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.old_logprobs, mb.advantages,
+                                      mb.mask, mb.document_index)] for mb in packed]
+    batch_size = args.batch_size or max(1, round(len(rollouts) / len(packed)))
+    padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]
+    padded_tokens = sum(b[0].numel() for b in padded)
+    model = _model(args, device)
+    scorer = TokenScorer(model, temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens,
+                         with_entropy=False)
+
+    def packed_pass():
+        for input_ids, position_ids, labels, old, adv, mask, doc in packed:
+            lp, _ = scorer(input_ids, position_ids, labels)
+            loss, _ = policy_loss(lp, old, adv, mask, doc, loss="grpo", aggregation="token_mean")
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def padded_pass():
+        for input_ids, attention, labels, old, adv in padded:
+            logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # [B, L, V]
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            valid = labels >= 0
+            lp = torch.where(valid, log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+            mask = valid.float()
+            ratio = torch.exp(lp - old)
+            per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+            loss = (per_token * mask).sum() / mask.sum()
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    result = dict(documents=len(rollouts), real_tokens=real_tokens, completion_range=[args.min_completion,
+                  args.max_completion], packed_micro_batches=len(packed), padded_batches=len(padded),
+                  padded_batch_size=batch_size, padded_tokens_incl_padding=padded_tokens,
+                  model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
+                  device=str(device), threads=torch.get_num_threads())
+    for name, fn in (("packed", packed_pass), ("padded", padded_pass)):
+        fn()
+        sync()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        result[f"{name}_s"] = statistics.median(times)
+        result[f"{name}_tokens_per_s"] = real_tokens / statistics.median(times)
+    result["speedup"] = result["packed_tokens_per_s"] / result["padded_tokens_per_s"]
+    return result
+
+
+def format_table(r: dict) -> str:
+    return "\n".join([
+        f"{r['documents']} rollouts, completions {r['completion_range'][0]}..{r['completion_range'][1]} tokens, "
+        f"{r['real_tokens']} real tokens; tiny Llama H={r['model']['hidden']} layers={r['model']['layers']} "
+        f"V={r['model']['vocab']} on {r['device']} ({r['threads']} threads); median pass",
+        "",
+        "| loop | forwards | tokens incl. padding | pass (s) | real tokens/s |",
+        "|---|---:|---:|---:|---:|",
+        f"| packed (pack_documents + TokenScorer, chunk_tokens={r['chunk_tokens']}) | {r['packed_micro_batches']} "
+        f"| {r['real_tokens']} | {r['packed_s']:.3g} | {r['packed_tokens_per_s']:.0f} |",
+        f"| padded ({r['padded_batch_size']} docs/batch, attention_mask, full logits) | {r['padded_batches']} "
+        f"| {r['padded_tokens_incl_padding']} | {r['padded_s']:.3g} | {r['padded_tokens_per_s']:.0f} |",
+        "",
+        f"packed / padded throughput: {r['speedup']:.2f}×",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    result = run(args)
+    print(format_table(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

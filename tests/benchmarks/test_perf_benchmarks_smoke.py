@@ -1,0 +1,36 @@
+"""Smoke test of the issue-8 benchmarks at tiny sizes (the real run is ``python -m benchmarks``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import lm_head, throughput  # noqa: E402
+
+
+def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys):
+    out = tmp_path / "head.json"
+    lm_head.main(["--sizes", "32x8x40", "--losses", "grpo", "gspo", "--entropy", "both", "--chunk-tokens", "8",
+                  "--repeats", "5", "--warmup", "1", "--threads", "1", "--doc-tokens", "8", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert len(saved["results"]) == 8 and len(saved["comparison"]) == 4
+    for row in saved["comparison"]:
+        assert row["rlcli_s"] > 0 and row["naive_s"] > 0 and row["floor_s"] > 0
+    for naive, chunked in zip(saved["results"][::2], saved["results"][1::2]):
+        assert naive["chunk_tokens"] == "naive" and abs(naive["loss"] - chunked["loss"]) <= 1e-5 * (1 + abs(naive["loss"]))
+    table = capsys.readouterr().out
+    assert "time ratio" in table and "GFLOP/s" in table and "gspo" in table
+
+
+def test_throughput_runs_both_loops(tmp_path):
+    out = tmp_path / "tp.json"
+    r = throughput.main(["--documents", "6", "--min-completion", "2", "--max-completion", "8", "--max-tokens", "32",
+                         "--hidden", "16", "--vocab", "64", "--chunk-tokens", "8", "--repeats", "1", "--threads", "1",
+                         "--json", str(out)])
+    assert r["packed_tokens_per_s"] > 0 and r["padded_tokens_per_s"] > 0
+    assert json.loads(out.read_text())["real_tokens"] == r["real_tokens"]
