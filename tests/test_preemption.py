@@ -34,7 +34,8 @@ def wait_for_rows(path, count, process, timeout=300):
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, processes", [(signal.SIGTERM, 1), (signal.SIGUSR1, 2)])
 def test_signal_stops_saves_and_resumes(tmp_path, signum, processes):
-    args = ["data=rollouts", "hydra.run.dir=run", "trainer.max_steps=1000", "data.epochs=50", "trainer.accumulate_microbatches=1"]
+    args = ["data=rollouts", "hydra.run.dir=run", "trainer.max_steps=1000", "data.epochs=50",
+            "trainer.accumulate_microbatches=1"]
     if processes == 2:
         args += ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
     process = start(args, tmp_path)

@@ -44,8 +44,8 @@ def test_find_resume_checkpoint_takes_the_newest_complete_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, processes):
-    common = ["data=rollouts", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1", "trainer.accumulate_microbatches=2",
-              "data.max_tokens=128"]
+    common = ["data=rollouts", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1",
+              "trainer.accumulate_microbatches=2", "data.max_tokens=128"]
     if processes == 2:
         common += ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
     straight = run_cli([*common, "hydra.run.dir=straight"], tmp_path)

@@ -28,8 +28,8 @@ LR = 0.5
 
 
 def two_rank_overrides(data, strategy, *extra):
-    return ["data=rollouts", f"data.paths=[{data}]", f"strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu",
-            "logger=none", *extra]
+    return ["data=rollouts", f"data.paths=[{data}]", f"strategy={strategy}", "trainer.devices=2",
+            "trainer.accelerator=cpu", "logger=none", *extra]
 
 
 def reference_parameters(data, docs: list[int], loss: str, aggregation: str, divisor) -> dict:
@@ -131,8 +131,8 @@ def test_docs_per_step_modes_lose_and_repeat_nothing_over_a_run(tmp_path, spread
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_cli_trains_on_two_cpu_processes(tmp_path, strategy):
-    result = run_rlcli(["train", "data=rollouts", "trainer.devices=2", "trainer.accelerator=cpu", f"strategy={strategy}",
-                        "trainer.max_steps=2", "trainer.docs_per_step=40"], cwd=tmp_path)
+    result = run_rlcli(["train", "data=rollouts", "trainer.devices=2", "trainer.accelerator=cpu",
+                        f"strategy={strategy}", "trainer.max_steps=2", "trainer.docs_per_step=40"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     [run_dir] = list((tmp_path / "outputs").glob("*/*"))
     rows = (run_dir / "metrics.csv").read_text().splitlines()
