@@ -65,6 +65,7 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("data=rollouts data.on_invalid=ignore", "data.on_invalid: must be one of"),
         ("data=rollouts data.paths=a.jsonl", "data.paths: expected a list"),
         ("rollout.group_size=0", "rollout.group_size: must be >= 1"),
+        ("trainer.docs_per_step=8", "trainer.docs_per_step: with data=generate a step is the rollouts it sampled"),
         ("rollout.top_p=1.5", "rollout.top_p: must be <= 1"),
         ("advantage.estimator=none", "advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo"),
         ("strategy=fsdp2", "strategy: on-policy generation (data=generate) runs with strategy=auto or ddp"),

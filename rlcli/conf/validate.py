@@ -163,6 +163,9 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
         for key in ("rollout", "task"):
             if cfg.get(key) is None:
                 problems.append(f"{key}: required by data=generate")
+        if isinstance(trainer, DictConfig) and trainer.get("docs_per_step"):
+            problems.append("trainer.docs_per_step: with data=generate a step is the rollouts it sampled "
+                            "(rollout.prompts_per_step x rollout.group_size per process); use it with data=rollouts")
         advantage = cfg.get("advantage")
         if isinstance(advantage, DictConfig) and advantage.get("estimator") == "none":
             problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")

@@ -13,7 +13,8 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks import lm_head, throughput  # noqa: E402
 
 
-def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys):
+def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(lm_head, "_run_in_subprocess", lm_head._worker)  # in-process: fast
     out = tmp_path / "head.json"
     lm_head.main(["--sizes", "32x8x40", "--losses", "grpo", "gspo", "--entropy", "both", "--chunk-tokens", "8",
                   "--repeats", "5", "--warmup", "1", "--threads", "1", "--doc-tokens", "8", "--json", str(out)])

@@ -159,7 +159,9 @@ def check_rollout(rollout: Rollout, vocab: int, max_tokens: int | None) -> None:
         assert all(type(v) is float and math.isfinite(v) for v in rollout.advantages)
     assert rollout.reward is None or (type(rollout.reward) is float and math.isfinite(rollout.reward))
     assert rollout.group_id is None or type(rollout.group_id) in (str, int)
-    assert len(rollout.completion_mask) == length and all(type(m) is int and m in (0, 1) for m in rollout.completion_mask)
+    assert len(rollout.completion_mask) == length and all(
+        type(m) is int and m in (0, 1) for m in rollout.completion_mask
+    )
     t = rollout.temperature
     assert t is None or (type(t) is float and math.isfinite(t) and t > 0)
     if max_tokens is not None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rollout_oracle import check_load, expect_json_lines
 
 FUZZ = settings(
-    max_examples=100,
+    max_examples=150,
     deadline=timedelta(seconds=5),  # one example takes milliseconds: this only catches a hang
     database=None,  # no .hypothesis/ folder in the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -63,7 +63,9 @@ HOSTILE = st.recursive(
 LONG_LISTS = st.builds(lambda value, n: [value] * n, SCALARS, st.integers(500, 3000))
 
 FINITE = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-(10**300), 10**300), ODD_FLOATS)
-LOGPROBS = st.one_of(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), st.integers(-50, 0), st.just(-0.0))
+LOGPROBS = st.one_of(
+    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), st.integers(-50, 0), st.just(-0.0)
+)
 
 
 @st.composite
@@ -141,7 +143,16 @@ LITERALS = [
     "{}", "[[]]", "[" * 50 + "]" * 50, "[" * 995 + "]" * 995, "[" * 5000 + "]" * 5000, "[" * 200000,
 ]  # fmt: skip
 # Bytes that are not UTF-8: a lone byte, an encoded surrogate, an overlong '/', past U+10FFFF, cut short.
-BAD_UTF8 = [b"\xff", b"\xfe\xff", b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"\xe2\x82", b"\x80"]
+BAD_UTF8 = [
+    b"\xff",
+    b"\xfe\xff",
+    b"\xed\xa0\x80",
+    b"\xed\xbf\xbf",
+    b"\xc0\xaf",
+    b"\xf4\x90\x80\x80",
+    b"\xe2\x82",
+    b"\x80",
+]
 BLANKS = [b"", b" ", b"\t", b"\r", b"\x0b", b"\x0c", b" \t\r "]
 
 
@@ -225,7 +236,7 @@ def test_hostile_records_agree_with_the_spec(data):
         check_load(path, expected, vocab=vocab, max_tokens=max_tokens, workdir=Path(tmp))
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=100)
 @given(st.binary(max_size=2000))
 def test_arbitrary_bytes_never_escape_as_anything_but_data_error(data):
     with tempfile.TemporaryDirectory() as tmp:

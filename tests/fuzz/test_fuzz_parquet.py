@@ -26,7 +26,7 @@ from rollout_oracle import Expected, check_load, expect_record
 from rlcli.data.readers import DataError, collect_rollouts
 
 FUZZ = settings(
-    max_examples=100,
+    max_examples=150,
     deadline=timedelta(seconds=5),  # one example takes milliseconds: this only catches a hang
     database=None,  # no .hypothesis/ folder in the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -160,7 +160,11 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
         row = {
             "prompt_ids": draw(st.lists(ids, min_size=1, max_size=4)),
             "completion_ids": draw(st.lists(ids, min_size=length, max_size=length)),
-            "old_logprobs": draw(st.lists(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), min_size=length, max_size=length)),
+            "old_logprobs": draw(
+                st.lists(
+                    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), min_size=length, max_size=length
+                )
+            ),
         }
         finite = st.floats(-1e6, 1e6)
         if advantage_kind in ("advantage", "both"):
@@ -196,7 +200,9 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
         rows.append(row)
 
     names = [field for field in COLUMN_TYPES if any(field in row for row in rows)]
-    clean = draw(st.sampled_from([True, True, False]))  # every field in its natural type (the first listed), or each one drawn
+    clean = draw(
+        st.sampled_from([True, True, False])
+    )  # every field in its natural type (the first listed), or each one drawn
     arrays = []
     for field in names:
         how = COLUMN_TYPES[field][0] if clean else draw(st.sampled_from(COLUMN_TYPES[field]))
@@ -286,7 +292,7 @@ def damaged_parquet(draw) -> bytes:
     return bytes(data)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=200)
 @given(damaged_parquet())
 def test_damaged_parquet_is_a_data_error_or_read_row_by_row(data):
     with tempfile.TemporaryDirectory() as tmp:
