@@ -6,7 +6,7 @@ import glob
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ JSON_LINES_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_SUFFIXES = JSON_LINES_SUFFIXES + PARQUET_SUFFIXES
 MAX_LISTED_PROBLEMS = 20
+# A JSON line nested deeper than this is rejected. Without a limit of our own, json's (the
+# recursion limit) would decide, and that depends on how deep the caller's stack already is.
 MAX_JSON_DEPTH = 100
 _GLOB_CHARS = frozenset("*?[")
 
@@ -88,9 +90,10 @@ def _expand_one(pattern: str) -> list[Path]:
 def read_records(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | RecordError]]:
     """Yield ``(source, record)`` for every record of one file, unvalidated.
 
-    A JSON line that cannot be parsed, or is not an object, yields a ``RecordError`` in place of
-    the record so that the caller can report it with the others. Blank lines are skipped.
-    A file that cannot be opened or is not valid Parquet raises ``DataError``.
+    A JSON line that cannot be parsed (not UTF-8, not JSON, a key given twice), or is not an
+    object, and a Parquet row holding a value Python cannot represent, yield a ``RecordError`` in
+    place of the record so that the caller can report it with the others. Blank lines are skipped.
+    A file that cannot be opened, is not valid Parquet or has a column twice raises ``DataError``.
     """
     path = Path(path)
     if path.suffix.lower() in PARQUET_SUFFIXES:
@@ -110,9 +113,23 @@ def _read_json_lines(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | Reco
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)  # NaN and Infinity parse; validation rejects them
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                # JSON Lines is UTF-8 (a byte-order mark is allowed). Decoding bytes ourselves:
+                # json.loads(bytes) lets UTF-8-encoded surrogates through ('surrogatepass').
+                text = line.decode("utf-8-sig")
+            except UnicodeDecodeError as err:
+                yield source, RecordError(source, None, f"invalid JSON: not UTF-8 ({err})")
+                continue
+            try:
+                # NaN and Infinity parse; validation rejects them.
+                record = json.loads(text, object_pairs_hook=_unique_keys)
+                too_deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH and _depth(record) > MAX_JSON_DEPTH
+            except RecursionError:
+                too_deep = True
+            except ValueError as err:  # malformed, a key given twice, an int of more than 4300 digits
                 yield source, RecordError(source, None, f"invalid JSON: {err}")
+                continue
+            if too_deep:
+                yield source, RecordError(source, None, f"invalid JSON: nested deeper than {MAX_JSON_DEPTH} levels")
                 continue
             if not isinstance(record, dict):
                 kind = type(record).__name__ if record is not None else "null"
@@ -121,18 +138,62 @@ def _read_json_lines(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | Reco
             yield source, record
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads``: a key given twice would silently keep the last value."""
+    record: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in record:
+            raise ValueError(f"key {key!r} is given more than once")
+        record[key] = value
+    return record
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (1 for ``[1, 2]``), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Mapping[str, Any] | RecordError]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise DataError(f"{path}: column '{repeated[0]}' appears more than once (a row keeps only one value)")
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches():
-            for record in batch.to_pylist():
+        for batch in parquet.iter_batches():
+            try:
+                records = batch.to_pylist()
+            except (ValueError, OverflowError, pa.ArrowException):
+                # A value Python cannot hold (a timestamp with nanoseconds, a date past year 9999,
+                # a string that is not UTF-8): find the rows that hold one and reject only those.
+                records = [_parquet_row(batch, i, f"{path}:row {row + i}") for i in range(batch.num_rows)]
+            for record in records:
                 yield f"{path}:row {row}", record
                 row += 1
-    except (OSError, pa.ArrowException) as err:
+    except (OSError, ValueError, pa.ArrowException) as err:  # ValueError: e.g. a column name that is not UTF-8
         raise DataError(f"{path}: cannot read Parquet file ({err})") from None
+
+
+def _parquet_row(batch: Any, index: int, source: str) -> dict[str, Any] | RecordError:
+    import pyarrow as pa
+
+    record = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            record[name] = column[index].as_py()
+        except (ValueError, OverflowError, pa.ArrowException) as err:
+            return RecordError(source, name, f"cannot be read as a Python value ({err})")
+    return record
 
 
 def collect_rollouts(
@@ -202,13 +263,26 @@ def write_rejections(rejections: Sequence[Rejection], path: str | Path) -> None:
     """Write one JSON line per rejection: ``source``, ``field``, ``reason`` and the raw ``record``.
 
     Records may hold NaN or Infinity (written as JSON's ``NaN``/``Infinity``, which ``json.loads``
-    reads back) and, from Parquet, values JSON cannot hold (written as strings).
+    reads back) and, from Parquet, values JSON cannot hold (written as strings). A record nested
+    too deeply to write is replaced by a note saying so; its line still names source and reason.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as handle:
         for rejection in rejections:
-            handle.write(json.dumps(asdict(rejection), allow_nan=True, default=str) + "\n")
+            # Not dataclasses.asdict: it deep-copies the record, recursing once per nesting level.
+            entry = {
+                "source": rejection.source,
+                "field": rejection.field,
+                "reason": rejection.reason,
+                "record": rejection.record,
+            }
+            try:
+                line = json.dumps(entry, allow_nan=True, default=str)
+            except (RecursionError, ValueError) as err:
+                entry["record"] = f"<record not written: {type(err).__name__}: {err}>"
+                line = json.dumps(entry, allow_nan=True, default=str)
+            handle.write(line + "\n")
 
 
 def check_temperature(

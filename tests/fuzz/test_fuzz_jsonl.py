@@ -193,7 +193,7 @@ def hostile_lines(draw, vocab: int) -> bytes:
         return json.dumps(record).encode(draw(st.sampled_from(["utf-16", "utf-16-le", "utf-32"])))
     if kind == "two_records":
         return record_bytes(record, True) + draw(st.sampled_from([b"", b" ", b"\r"])) + record_bytes(record, True)
-    depth = draw(st.one_of(st.integers(1, 1200), st.sampled_from([5000, 100000])))
+    depth = draw(st.one_of(st.integers(1, 300), st.sampled_from([98, 99, 100, 995, 1000, 5000, 100_000])))
     record[draw(st.sampled_from(("prompt_ids", "old_logprobs", "group_id", "extra")))] = "@@RAW@@"
     nested = (b"[" if draw(st.booleans()) else b'{"a":') * depth
     closing = b"]" * depth if nested.startswith(b"[") else b"}" * depth
@@ -223,7 +223,7 @@ def test_hostile_jsonl_is_accepted_or_rejected_record_by_record(case):
 @FUZZ
 @given(st.data())
 def test_hostile_records_agree_with_the_spec(data):
-    """Many records per file, all of them JSON objects: the record-level rules get most of the tries."""
+    """Every line a JSON object: the record-level rules of SPEC §7 get all the tries."""
     vocab = data.draw(VOCABS)
     max_tokens = data.draw(MAX_TOKENS)
     records = data.draw(st.lists(hostile_records(vocab), min_size=1, max_size=6))

@@ -154,19 +154,16 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
     ids = st.integers(0, vocab - 1)
     advantage_kind = draw(st.sampled_from(["advantage", "advantages", "reward", "both"]))
     optional = draw(st.sets(st.sampled_from(["group_id", "completion_mask", "temperature"])))
+    logprobs = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
+    finite = st.floats(-1e6, 1e6)
     rows = []
     for _ in range(num_rows):
         length = draw(st.integers(1, 4))
         row = {
             "prompt_ids": draw(st.lists(ids, min_size=1, max_size=4)),
             "completion_ids": draw(st.lists(ids, min_size=length, max_size=length)),
-            "old_logprobs": draw(
-                st.lists(
-                    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), min_size=length, max_size=length
-                )
-            ),
+            "old_logprobs": draw(st.lists(logprobs, min_size=length, max_size=length)),
         }
-        finite = st.floats(-1e6, 1e6)
         if advantage_kind in ("advantage", "both"):
             row["advantage"] = draw(finite)
         if advantage_kind == "advantages":
@@ -200,9 +197,8 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
         rows.append(row)
 
     names = [field for field in COLUMN_TYPES if any(field in row for row in rows)]
-    clean = draw(
-        st.sampled_from([True, True, False])
-    )  # every field in its natural type (the first listed), or each one drawn
+    # Every field in its natural type (the first listed), or each one in a drawn type.
+    clean = draw(st.sampled_from([True, True, False]))
     arrays = []
     for field in names:
         how = COLUMN_TYPES[field][0] if clean else draw(st.sampled_from(COLUMN_TYPES[field]))
