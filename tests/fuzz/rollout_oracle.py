@@ -102,14 +102,12 @@ def expect_record(record: Any, vocab: int, max_tokens: int | None) -> Expected:
 
 
 def _depth(value: Any) -> int:
-    """Nesting depth of lists and dicts, without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth + 1)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+    """Nesting depth of lists and dicts, counted level by level (breadth first, no recursion)."""
+    depth, level = 0, [value]
+    while containers := [v for v in level if isinstance(v, (list, dict))]:
+        depth += 1
+        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
