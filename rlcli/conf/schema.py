@@ -99,26 +99,27 @@ class AdvantageConfig:
 
 
 @dataclass
-class AdamWConfig:
-    name: Literal["adamw"]
+class _OptimizerConfig:
+    """The fields every optimizer option has: its rate and the schedule."""
+
     lr: float = bounded(gt=0)
     weight_decay: float = bounded(ge=0)
-    betas: list[float]
-    eps: float = bounded(gt=0)
     schedule: SCHEDULES
     warmup_steps: int = bounded(ge=0)
     min_lr_ratio: float = bounded(ge=0, le=1)
 
 
 @dataclass
-class SGDConfig:
+class AdamWConfig(_OptimizerConfig):
+    name: Literal["adamw"]
+    betas: list[float]
+    eps: float = bounded(gt=0)
+
+
+@dataclass
+class SGDConfig(_OptimizerConfig):
     name: Literal["sgd"]
-    lr: float = bounded(gt=0)
     momentum: float = bounded(ge=0)
-    weight_decay: float = bounded(ge=0)
-    schedule: SCHEDULES
-    warmup_steps: int = bounded(ge=0)
-    min_lr_ratio: float = bounded(ge=0, le=1)
 
 
 @dataclass

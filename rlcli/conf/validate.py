@@ -28,10 +28,15 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+DISCRIMINATORS = ("name", "kind")
+
+
 def _discriminator(cls) -> tuple[str, tuple]:
-    """The Literal-typed first field that tells the members of a Union of dataclasses apart."""
-    first = dataclasses.fields(cls)[0]
-    return first.name, typing.get_args(typing.get_type_hints(cls)[first.name])
+    """The Literal-typed ``name`` or ``kind`` field that tells the members of a Union of dataclasses
+    apart, and its values."""
+    hints = typing.get_type_hints(cls)
+    key = next(k for k in DISCRIMINATORS if k in hints)
+    return key, typing.get_args(hints[key])
 
 
 def _check_union(node, members, path, problems) -> None:
