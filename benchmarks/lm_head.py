@@ -130,7 +130,8 @@ def _make_step_inputs(cfg: dict, device: torch.device):
     labels = torch.where(mask > 0, torch.randint(0, v, (n,), generator=g), torch.full((n,), -100))
     group = doc // 4  # four documents per prompt
     advantages = torch.randn(n // cfg["doc_tokens"] + 1, generator=g)[doc]  # one advantage per document
-    old_logprobs = -torch.rand(n, generator=g) * 10 - 0.1  # plausible sampler log-probs: ratios far from 1, some clipped
+    # plausible sampler log-probs: ratios far from 1, some clipped
+    old_logprobs = -torch.rand(n, generator=g) * 10 - 0.1
     rest = [t.to(device) for t in (labels, mask, doc, group, advantages, old_logprobs)]
     return hidden, weight, *rest
 
