@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hypothesis import strategies as st
+
 from rlcli.data.readers import MAX_JSON_DEPTH, DataError, collect_rollouts, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 
@@ -99,6 +101,22 @@ def spec_problem(record: Any, vocab: int, max_tokens: int | None = None) -> str 
 def expect_record(record: Any, vocab: int, max_tokens: int | None) -> Expected:
     problem = spec_problem(record, vocab, max_tokens)
     return Expected(problem is None, problem, record)
+
+
+ADVANTAGE_KINDS = ("advantage", "advantages", "reward", "both")
+
+
+def advantage_fields(draw, kind: str, finite, length: int) -> dict:
+    """The advantage/reward fields of a fuzzed record of ``kind`` (one of ``ADVANTAGE_KINDS``;
+    "both" gives a scalar advantage and a reward), values drawn from ``finite``."""
+    fields = {}
+    if kind in ("advantage", "both"):
+        fields["advantage"] = draw(finite)
+    if kind == "advantages":
+        fields["advantages"] = draw(st.lists(finite, min_size=length, max_size=length))
+    if kind in ("reward", "both"):
+        fields["reward"] = draw(finite)
+    return fields
 
 
 def _depth(value: Any) -> int:

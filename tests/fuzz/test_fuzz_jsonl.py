@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollout_oracle import check_load, expect_json_lines
+from rollout_oracle import ADVANTAGE_KINDS, advantage_fields, check_load, expect_json_lines
 
 FUZZ = settings(
     max_examples=150,
@@ -79,13 +79,7 @@ def valid_records(draw, vocab: int) -> dict:
         "old_logprobs": draw(st.lists(LOGPROBS, min_size=length, max_size=length)),
     }
     finite = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-5, 5)
-    kind = draw(st.sampled_from(["advantage", "advantages", "reward", "both"]))
-    if kind in ("advantage", "both"):
-        record["advantage"] = draw(finite)
-    if kind == "advantages":
-        record["advantages"] = draw(st.lists(finite, min_size=length, max_size=length))
-    if kind in ("reward", "both"):
-        record["reward"] = draw(finite)
+    record |= advantage_fields(draw, draw(st.sampled_from(ADVANTAGE_KINDS)), finite, length)
     group = draw(st.one_of(st.none(), ODD_TEXT, st.integers(), HUGE_INTS))
     if group is not None or draw(st.booleans()):
         record["group_id"] = group

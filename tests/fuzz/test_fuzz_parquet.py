@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollout_oracle import Expected, check_load, expect_record
+from rollout_oracle import ADVANTAGE_KINDS, Expected, advantage_fields, check_load, expect_record
 
 from rlcli.data.readers import DataError, collect_rollouts
 
@@ -152,7 +152,7 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
     vocab = draw(VOCABS)
     num_rows = draw(st.integers(0, 6))
     ids = st.integers(0, vocab - 1)
-    advantage_kind = draw(st.sampled_from(["advantage", "advantages", "reward", "both"]))
+    advantage_kind = draw(st.sampled_from(ADVANTAGE_KINDS))
     optional = draw(st.sets(st.sampled_from(["group_id", "completion_mask", "temperature"])))
     logprobs = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
     finite = st.floats(-1e6, 1e6)
@@ -164,12 +164,7 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
             "completion_ids": draw(st.lists(ids, min_size=length, max_size=length)),
             "old_logprobs": draw(st.lists(logprobs, min_size=length, max_size=length)),
         }
-        if advantage_kind in ("advantage", "both"):
-            row["advantage"] = draw(finite)
-        if advantage_kind == "advantages":
-            row["advantages"] = draw(st.lists(finite, min_size=length, max_size=length))
-        if advantage_kind in ("reward", "both"):
-            row["reward"] = draw(finite)
+        row |= advantage_fields(draw, advantage_kind, finite, length)
         if "group_id" in optional:
             row["group_id"] = draw(TEXT | st.integers(0, 2**63 - 1))
         if "completion_mask" in optional:
