@@ -2,25 +2,27 @@
 
 What is measured, per configuration: one training micro-step of the loss path,
 
-    token_logprobs(hidden, weight, labels, chunk_tokens=C) -> policy_loss(grpo, token_mean) -> backward
+    fused_micro_batch_loss(hidden, weight, labels, ..., chunk_tokens=C) -> backward
 
-with gradients for ``hidden`` and ``weight``, against a *naive* baseline that builds the full
+(the head and the policy loss in one pass, as `rlcli train` runs them) with gradients for
+``hidden`` and ``weight``, against a *naive* baseline that builds the full
 ``[N, V]`` logits with ``hidden @ weight.T``, takes ``log_softmax`` and gathers the labels, with
-plain autograd (which keeps the full logits and log-softmax alive until the backward).
+plain autograd (which keeps the full logits and log-softmax alive until the backward), followed by
+`policy_loss`.
 
 Time: wall time of forward + backward, ``--warmup`` untimed runs first, then the median (and
 minimum) of ``--repeats`` timed runs (at least 5 by default).
 
 Peak memory: every configuration runs in a fresh subprocess (``python -m benchmarks.lm_head
---worker ...``) so that no allocation of another configuration can hide or inflate it. The worker
-allocates and fills its inputs, reads its current resident set size (RSS, ``/proc/self/statm``),
-runs warm-up and repeats, then reads ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (the
-process's high-water RSS). ``peak extra`` = high-water RSS − RSS after the inputs exist: the
-memory the forward + backward needs on top of the inputs (logits, softmax, gradients and the
-allocator's slack). This is real memory as the OS sees it. PyTorch's CPU allocator does not cache,
-and glibc returns large blocks (≥ 32 MiB) to the OS, so the value is per-iteration peak and not
-an accumulation. If the high-water mark was already set before the inputs were allocated (import
-time), the result is flagged as a lower bound (``*``); with the sizes of interest it is not.
+--worker ...``) so that no allocation of another configuration can hide or inflate it, with glibc's
+mmap threshold fixed at 128 KiB so that every large tensor is its own mapping, returned to the OS
+when freed. The worker allocates its inputs, runs the path once on a tiny problem (loading the
+kernels), then resets the process's high-water resident set size (``/proc/self/clear_refs``) and
+reads it (``VmHWM`` in ``/proc/self/status``) after the warm-up and timed runs. ``peak extra`` =
+high-water RSS - RSS before the runs - the bytes of the ``hidden`` and ``weight`` gradients (outputs
+that every implementation must produce): the working memory of the forward + backward (logits,
+softmax, temporaries), as the OS sees it. Where the high-water mark cannot be reset, the value is
+flagged as a lower bound (``*``).
 
 Run it with ``python -m benchmarks`` (all benchmarks) or ``python -m benchmarks.lm_head``; see
 ``--help``. Results depend on the machine and its load: compare rows of the same run.
@@ -97,9 +99,26 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _maxrss_bytes() -> int:
-    """High-water resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def _reset_peak_rss() -> bool:
+    """Reset this process's high-water RSS to its current RSS (Linux); False where it cannot be."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    """High-water resident set size of this process since start or the last reset."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 
 
@@ -137,7 +156,7 @@ def _make_step_inputs(cfg: dict, device: torch.device):
 
 
 def _worker(cfg: dict) -> dict:
-    from rlcli.modules import policy_loss, token_logprobs
+    from rlcli.modules import Segments, StepTotals, fused_micro_batch_loss, policy_loss
 
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
@@ -153,10 +172,14 @@ def _worker(cfg: dict) -> dict:
     def forward_backward(hidden, weight, labels, sl, chunk):
         if chunk == NAIVE:
             lp, ent = _naive_logprobs(hidden, weight, labels, 1.0, with_entropy)
+            loss, _ = policy_loss(lp, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], group[sl],
+                                  loss=loss_name, aggregation="token_mean", metrics=metrics, entropy=ent)
         else:
-            lp, ent = token_logprobs(hidden, weight, labels, fp32=fp32, chunk_tokens=chunk, with_entropy=with_entropy)
-        loss, _ = policy_loss(lp, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], group[sl],
-                              loss=loss_name, aggregation="token_mean", metrics=metrics, entropy=ent)
+            totals = StepTotals.of_tokens(mask[sl], Segments.of(doc[sl]), group[sl], int(group[sl].max()) + 1)
+            loss, _ = fused_micro_batch_loss(
+                hidden, weight, labels, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], totals, group[sl],
+                loss=loss_name, aggregation="token_mean", metrics=metrics, fp32=fp32, chunk_tokens=chunk,
+            )
         loss.backward()
         return loss
 
@@ -183,9 +206,10 @@ def _worker(cfg: dict) -> dict:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        lower_bound = False
     else:
-        rss_inputs = _rss_bytes()
-        maxrss_inputs = _maxrss_bytes()
+        base = _rss_bytes()
+        lower_bound = not _reset_peak_rss()
     for _ in range(cfg["warmup"]):
         step()
     times = []
@@ -193,13 +217,8 @@ def _worker(cfg: dict) -> dict:
         start = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - start)
-    if cuda:
-        raw_extra = torch.cuda.max_memory_allocated(device) - base
-        lower_bound = False
-    else:
-        maxrss_end = _maxrss_bytes()
-        raw_extra = maxrss_end - rss_inputs
-        lower_bound = maxrss_end <= maxrss_inputs
+    peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+    raw_extra = peak - base
     return dict(
         chunk_tokens=cfg["chunk_tokens"],
         loss_name=loss_name,
@@ -245,6 +264,7 @@ def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", r
 def _run_in_subprocess(cfg: dict) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # large blocks are mapped and unmapped: RSS = live memory
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.lm_head", "--worker", json.dumps(cfg)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -269,8 +289,8 @@ def _label(chunk) -> str:
     if chunk == NAIVE:
         return "naive (full logits, autograd)"
     if chunk == 0:
-        return "token_logprobs, unchunked"
-    return f"token_logprobs, chunk_tokens={chunk}"
+        return "rlcli fused head + loss, one chunk"
+    return f"rlcli fused head + loss, chunk_tokens={chunk}"
 
 
 def format_table(results: list[dict], config: dict) -> str:

@@ -4,6 +4,7 @@ Nothing here knows about Lightning or torch.distributed.
 """
 
 from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
+from rlcli.modules.fused_head import fused_micro_batch_loss
 from rlcli.modules.lm_head import token_logprobs
 from rlcli.modules.losses import LOSSES, per_token_loss
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
@@ -19,6 +20,7 @@ __all__ = [
     "StepTotals",
     "check_policy_loss_options",
     "finalize_metrics",
+    "fused_micro_batch_loss",
     "metric_partials",
     "micro_batch_loss",
     "per_token_loss",

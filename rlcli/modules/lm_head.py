@@ -25,7 +25,7 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _compute_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
+def head_compute_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
     """The dtype of the head matmul: float32 for half inputs when ``fp32``, else the inputs' own."""
     if fp32 and dtype in (torch.float16, torch.bfloat16):
         return torch.float32
@@ -37,7 +37,7 @@ def _chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
 
 
-def _chunk_logits(h, w, temperature, softmax_dtype):
+def chunk_logits(h, w, temperature, softmax_dtype):
     """Temperature-scaled logits of one chunk in ``softmax_dtype`` (float32 or float64).
 
     h [C, H] and w [V, H] in the compute dtype -> [C, V], a fresh tensor that may be overwritten.
@@ -52,9 +52,38 @@ def _chunk_logits(h, w, temperature, softmax_dtype):
     return logits
 
 
-def _labels_and_valid(labels):
+def labels_and_valid(labels):
     valid = labels >= 0  # [C]
     return torch.where(valid, labels, torch.zeros_like(labels)), valid
+
+
+def check_head_inputs(hidden, weight, labels, temperature, chunk_tokens) -> None:
+    """Raise ``ValueError`` naming the first invalid argument of the head."""
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be an integer >= 0, got {chunk_tokens!r}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V, H]; got hidden {tuple(hidden.shape)} "
+            f"and weight {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"labels must be [N] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}"
+        )
+    if labels.numel() and int(labels.max()) >= weight.shape[0]:
+        raise ValueError(f"labels must be < vocab size {weight.shape[0]}, got {int(labels.max())}")
+
+
+def head_operands(hidden, weight, fp32: bool):
+    """Under autocast (and without ``fp32``) the head runs in the autocast dtype, as the model's
+    own head would; otherwise in the inputs' dtype. Differentiable casts."""
+    device_type = hidden.device.type
+    if not fp32 and torch.is_autocast_enabled(device_type):
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        return hidden.to(autocast_dtype), weight.to(autocast_dtype)
+    return hidden, weight
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -62,7 +91,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, fp32, chunk_tokens, with_entropy):
-        compute_dtype = _compute_dtype(hidden.dtype, fp32)
+        compute_dtype = head_compute_dtype(hidden.dtype, fp32)
         out_dtype = torch.promote_types(compute_dtype, torch.float32)
         num_tokens = hidden.shape[0]
         logprobs = hidden.new_zeros(num_tokens, dtype=out_dtype)  # [N]
@@ -70,9 +99,9 @@ class _TokenLogprobs(torch.autograd.Function):
         with torch.no_grad():
             w = weight.to(compute_dtype)  # [V, H], converted once (a no-op unless fp32 on half)
             for start, end in _chunk_bounds(num_tokens, chunk_tokens):
-                log_p = _chunk_logits(hidden[start:end].to(compute_dtype), w, temperature, out_dtype)
+                log_p = chunk_logits(hidden[start:end].to(compute_dtype), w, temperature, out_dtype)
                 torch.log_softmax(log_p, -1, out=log_p)  # [C, V], fused and in place
-                safe_labels, valid = _labels_and_valid(labels[start:end])
+                safe_labels, valid = labels_and_valid(labels[start:end])
                 picked = log_p.gather(1, safe_labels[:, None]).squeeze(1)  # [C]
                 logprobs[start:end] = torch.where(valid, picked, torch.zeros_like(picked))
                 if with_entropy:
@@ -106,11 +135,11 @@ class _TokenLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start, end in _chunk_bounds(hidden.shape[0], chunk_tokens):
                 h = hidden[start:end].to(compute_dtype)  # [C, H]
-                safe_labels, valid = _labels_and_valid(labels[start:end])
+                safe_labels, valid = labels_and_valid(labels[start:end])
                 zero = torch.zeros((), dtype=acc_dtype, device=h.device)
                 g_lp = torch.where(valid, grad_logprobs[start:end].to(acc_dtype), zero)  # [C]
                 s_lp = g_lp / temperature  # [C]: d L / d z_y of the label term, per token
-                logits = _chunk_logits(h, w, temperature, acc_dtype)  # [C, V]
+                logits = chunk_logits(h, w, temperature, acc_dtype)  # [C, V]
                 if use_entropy:
                     # d L / d z_j = [g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + H)] / T
                     #             = [g_lp 1[j = y] - p_j (c + g_ent log p_j)] / T,  c = g_lp + g_ent H
@@ -174,26 +203,9 @@ def token_logprobs(
     Returns:
         ``(logprobs [N], entropy [N] or None)`` in float32 (float64 for float64 inputs).
     """
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
-        raise ValueError(f"chunk_tokens must be an integer >= 0, got {chunk_tokens!r}")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [N, H] and weight [V, H]; got hidden {tuple(hidden.shape)} "
-            f"and weight {tuple(weight.shape)}"
-        )
-    if labels.shape != hidden.shape[:1]:
-        raise ValueError(
-            f"labels must be [N] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}"
-        )
-    if labels.numel() and int(labels.max()) >= weight.shape[0]:
-        raise ValueError(f"labels must be < vocab size {weight.shape[0]}, got {int(labels.max())}")
+    check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
+    hidden, weight = head_operands(hidden, weight, fp32)
     device_type = hidden.device.type
-    if not fp32 and torch.is_autocast_enabled(device_type):
-        # mixed precision: the head runs in the autocast dtype, as the model's own head would
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
     with torch.autocast(device_type, enabled=False):
         return _TokenLogprobs.apply(
             hidden, weight, labels.long(), float(temperature), fp32, chunk_tokens, with_entropy
