@@ -5,7 +5,7 @@ uniformly over ``--min-completion``..``--max-completion``, so ≥ 4× apart by d
 tiny Llama-style model built by `rlcli.models.build_policy` and the same GRPO token-mean loss:
 
 * **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, and
-  `TokenScorer` (chunked head, ``--chunk-tokens``) forward + `policy_loss` + backward per row;
+  `TokenScorer` with the fused head + GRPO loss (``--chunk-tokens``) and backward per row;
 * **padded** (the usual loop): batches of ``--batch-size`` documents in the same order, right-padded
   to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits, log-softmax, gather,
   the same loss, backward. ``--batch-size`` defaults to the number of documents a packed row holds
@@ -18,6 +18,7 @@ Throughput = real (unpadded) tokens of all documents / wall time of one pass ove
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -100,7 +101,7 @@ def _padded_batch(docs, device):
 
 def run(args) -> dict:
     from rlcli.data.stream import pack_documents
-    from rlcli.modules import policy_loss
+    from rlcli.modules import Segments, StepTotals, fused_micro_batch_loss
     from rlcli.modules.scorer import TokenScorer
 
     if args.threads:
@@ -121,8 +122,12 @@ def run(args) -> dict:
 
     def packed_pass():
         for input_ids, position_ids, labels, old, adv, mask, doc in packed:
-            lp, _ = scorer(input_ids, position_ids, labels)
-            loss, _ = policy_loss(lp, old, adv, mask, doc, loss="grpo", aggregation="token_mean")
+            totals = StepTotals.of_tokens(mask, Segments.of(doc))
+            head_loss = functools.partial(
+                fused_micro_batch_loss, labels=labels, old_logprobs=old, advantages=adv, mask=mask,
+                document_index=doc, totals=totals, chunk_tokens=args.chunk_tokens,
+            )
+            loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
             loss.backward()
         model.zero_grad(set_to_none=True)
 

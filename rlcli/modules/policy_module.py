@@ -20,8 +20,8 @@ from rlcli import distributed
 from rlcli.callbacks.metrics_csv import MetricsCSVLogger
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
+from rlcli.modules.fused_head import fused_micro_batch_loss
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
-from rlcli.modules.policy_loss import micro_batch_loss
 from rlcli.modules.scorer import TokenScorer
 from rlcli.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
@@ -30,7 +30,7 @@ TENSOR_FIELDS = ("input_ids", "position_ids", "labels", "old_logprobs", "advanta
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The `loss`, `aggregation` and `metrics` groups, as `micro_batch_loss` and the head need them."""
+    """The `loss`, `aggregation` and `metrics` groups, as `fused_micro_batch_loss` needs them."""
 
     loss: str = "grpo"
     aggregation: str = "token_mean"
@@ -40,7 +40,7 @@ class LossSettings:
     metrics: str = "basic"
     temperature: float = 1.0
     fp32_lm_head: bool = False
-    chunk_tokens: int = 0
+    chunk_tokens: int = 256
 
 
 # Fault injection for the tests: "STEP:RANK" makes that rank's loss (and gradient) NaN at that step.
@@ -141,14 +141,17 @@ class PolicyModule(L.LightningModule):
             t = {name: getattr(batch, name) for name in TENSOR_FIELDS}
             group_index = batch.group_index(plan.group_numbering)
         t = {name: value.to(self.device) for name, value in t.items()}
-        logprobs, entropy = self.scorer(t["input_ids"], t["position_ids"], t["labels"])
         s = self.settings
-        return micro_batch_loss(
-            logprobs, t["old_logprobs"].to(logprobs.dtype), t["advantages"].to(logprobs.dtype),
-            t["mask"].to(logprobs.dtype), t["document_index"], plan.totals, group_index.to(self.device),
-            loss=s.loss, aggregation=s.aggregation, divisor=s.divisor, eps_low=s.eps_low,
-            eps_high=s.eps_high, metrics=s.metrics, entropy=entropy,
-        )
+
+        def head_loss(hidden, weight):
+            return fused_micro_batch_loss(
+                hidden, weight, t["labels"], t["old_logprobs"], t["advantages"], t["mask"], t["document_index"],
+                plan.totals, group_index.to(self.device),
+                loss=s.loss, aggregation=s.aggregation, divisor=s.divisor, eps_low=s.eps_low, eps_high=s.eps_high,
+                metrics=s.metrics, temperature=s.temperature, fp32=s.fp32_lm_head, chunk_tokens=s.chunk_tokens,
+            )
+
+        return self.scorer(t["input_ids"], t["position_ids"], t["labels"], head_loss=head_loss)
 
     def training_step(self, tick, batch_idx):
         step = self.source.next_step(self.policy, self.steps_done, self.device)

@@ -1,4 +1,4 @@
-"""The policy as one module whose forward returns label log-probs: hidden states, then the head.
+"""The policy as one module whose forward ends in the head: label log-probs, or the fused head + loss.
 
 Keeping the head inside a `forward` lets sharding wrappers (FSDP) gather and free the embedding,
 final norm and head weights around it like any other parameters.
@@ -13,7 +13,11 @@ from rlcli.modules.lm_head import token_logprobs
 
 class TokenScorer(torch.nn.Module):
     """``forward(input_ids [L], position_ids [L], labels [L]) -> (logprobs [L], entropy [L] | None)``
-    for one packed row of whole documents (no attention across documents)."""
+    for one packed row of whole documents (no attention across documents).
+
+    With ``head_loss``, a callable ``(hidden [L, H], head weight [V, H]) -> result``, the forward
+    returns ``head_loss``'s result instead (e.g. `fused_micro_batch_loss`), still inside the forward.
+    """
 
     def __init__(self, policy: torch.nn.Module, *, temperature: float, fp32_lm_head: bool,
                  chunk_tokens: int, with_entropy: bool) -> None:
@@ -24,13 +28,16 @@ class TokenScorer(torch.nn.Module):
         self.chunk_tokens = chunk_tokens
         self.with_entropy = with_entropy
 
-    def forward(self, input_ids, position_ids, labels):
+    def forward(self, input_ids, position_ids, labels, head_loss=None):
         hidden = self.policy.base_model(
             input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
         ).last_hidden_state[0]  # [L, H]
+        weight = self.policy.get_output_embeddings().weight  # [V, H]
+        if head_loss is not None:
+            return head_loss(hidden, weight)
         return token_logprobs(
             hidden,
-            self.policy.get_output_embeddings().weight,
+            weight,
             labels,
             temperature=self.temperature,
             fp32=self.fp32_lm_head,
