@@ -2,10 +2,11 @@
 (all by default) with the settings of issue 8 and print their tables. Each one also runs alone with
 its own options: ``python -m benchmarks.NAME --help``.
 
-* ``lm_head``: token_logprobs + policy_loss (grpo, gspo, ± entropy) against the naive full-logits
+* ``lm_head``: the fused head + policy loss (grpo, gspo, ± entropy) against the naive full-logits
   head at N×H×V = 4096×512×32000 and 1024×512×152064, chunk_tokens=DEFAULT_CHUNK_TOKENS, with
   the 6·N·H·V floor at the measured matmul rate;
-* ``throughput``: packed micro-batches (pack_documents + TokenScorer) against a padded loop;
+* ``throughput``: packed micro-batches (pack_documents + TokenScorer + fused head and loss) against a
+  padded loop;
 * ``docs_per_step``: the document-count all-reduce overhead (CPU, gloo).
 """
 
@@ -18,9 +19,9 @@ from pathlib import Path
 
 from benchmarks import docs_per_step, lm_head, throughput
 
-# the chunk size rlcli's head path is measured with (recommended loss.chunk_tokens): at V = 152064 a
-# 128-token chunk of float32 logits is 74 MiB
-DEFAULT_CHUNK_TOKENS = 128
+# the chunk size rlcli's head path is measured with: the default loss.chunk_tokens (at V = 152064 a
+# 256-token chunk of float32 logits is 148 MiB)
+DEFAULT_CHUNK_TOKENS = 256
 SIZES = ["4096x512x32000", "1024x512x152064"]
 
 

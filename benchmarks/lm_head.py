@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.machine import cpu_name, device_name
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAIVE = "naive"
 
@@ -274,17 +276,6 @@ def _run_in_subprocess(cfg: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
-
-
 def _label(chunk) -> str:
     if chunk == NAIVE:
         return "naive (full logits, autograd)"
@@ -323,12 +314,6 @@ def _size(text: str) -> tuple[int, int, int]:
     return n, h, v
 
 
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{torch.cuda.get_device_name(torch.device(device))} ({device})"
-    return _cpu_name()
-
-
 def format_comparison(rows: list[dict]) -> str:
     """The side-by-side table: naive vs token_logprobs per (size, loss, entropy), with the FLOP floor."""
     lines = [
@@ -357,12 +342,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes = args.sizes or [(args.tokens, args.hidden, args.vocab)]
     entropies = {"off": [False], "on": [True], "both": [False, True]}[args.entropy]
     chunks = ([] if args.no_naive else [NAIVE]) + list(dict.fromkeys(args.chunk_tokens))
-    device_name = _device_name(args.device)
+    measured_on = device_name(args.device)
     results, comparison, rates = [], [], {}
     for n, h, v in sizes:
         if args.floor:
             rates[f"{n}x{h}x{v}"] = rate = matmul_flops(n, h, v, device=args.device, threads=args.threads)
-            print(f"float32 [{n}, {h}] @ [{h}, {v}] matmul on {device_name}: {rate / 1e9:.1f} GFLOP/s",
+            print(f"float32 [{n}, {h}] @ [{h}, {v}] matmul on {measured_on}: {rate / 1e9:.1f} GFLOP/s",
                   file=sys.stderr, flush=True)
         for loss_name in dict.fromkeys(args.losses):
             for entropy in entropies:
@@ -393,11 +378,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = dict(
         tokens=sizes[0][0], hidden=sizes[0][1], vocab=sizes[0][2], sizes=[list(x) for x in sizes],
         repeats=args.repeats, warmup=args.warmup, dtype=dtype, threads=args.threads, doc_tokens=args.doc_tokens,
-        losses=list(dict.fromkeys(args.losses)), entropy=args.entropy, device=args.device, device_name=device_name,
-        torch=torch.__version__, cpu=_cpu_name(), python=platform.python_version(),
+        losses=list(dict.fromkeys(args.losses)), entropy=args.entropy, device=args.device, device_name=measured_on,
+        torch=torch.__version__, cpu=cpu_name(), python=platform.python_version(),
         matmul_flops=rates,
     )
-    print(f"device: {device_name}; {dtype} inputs{' (fp32 head)' if dtype != 'float32' else ''}; "
+    print(f"device: {measured_on}; {dtype} inputs{' (fp32 head)' if dtype != 'float32' else ''}; "
           f"{args.repeats} timed runs after {args.warmup} warm-up, median; peak extra memory = peak beyond the "
           "inputs and their gradients (RSS high-water on CPU, max_memory_allocated on CUDA)")
     for key, rate in rates.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import statistics
 import sys
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.machine import device_name
 
 PROMPT_TOKENS = 16
 
@@ -43,7 +46,11 @@ def _parse(argv):
     parser.add_argument("--chunk-tokens", type=int, default=128, help="loss.chunk_tokens of the packed path")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA: bfloat16 model, fp32 head)")
+    parser.add_argument("--attn", default="auto",
+                        help="attention implementation of the model (auto: flash_attention_2 on CUDA when the "
+                             "flash-attn package is installed, which runs packed rows as variable-length "
+                             "sequences, else sdpa with a block-diagonal mask)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
     if not 1 <= args.min_completion <= args.max_completion or args.documents < 1 or args.repeats < 1:
@@ -67,6 +74,14 @@ def _rollouts(args):
     return out
 
 
+def _attention(args, device) -> str:
+    if args.attn != "auto":
+        return args.attn
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def _model(args, device):
     from omegaconf import OmegaConf
 
@@ -75,8 +90,13 @@ def _model(args, device):
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
     cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
     cfg.vocab_size, cfg.max_position_embeddings = args.vocab, max(1024, args.max_tokens)
+    cfg.dtype = "bfloat16" if device.type == "cuda" else "float32"
     torch.manual_seed(0)
-    return build_policy(cfg).to(device)
+    model = build_policy(cfg).to(device)
+    attention = _attention(args, device)
+    if attention != "sdpa":
+        model.set_attn_implementation(attention)
+    return model, attention
 
 
 def _padded_batch(docs, device):
@@ -116,7 +136,8 @@ def run(args) -> dict:
     batch_size = args.batch_size or max(1, round(len(rollouts) / len(packed)))
     padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]
     padded_tokens = sum(b[0].numel() for b in padded)
-    model = _model(args, device)
+    model, attention = _model(args, device)
+    fp32_head = device.type == "cuda"  # bfloat16 model, float32 head and softmax
     scorer = TokenScorer(model, temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens,
                          with_entropy=False)
 
@@ -125,7 +146,7 @@ def run(args) -> dict:
             totals = StepTotals.of_tokens(mask, Segments.of(doc))
             head_loss = functools.partial(
                 fused_micro_batch_loss, labels=labels, old_logprobs=old, advantages=adv, mask=mask,
-                document_index=doc, totals=totals, chunk_tokens=args.chunk_tokens,
+                document_index=doc, totals=totals, chunk_tokens=args.chunk_tokens, fp32=fp32_head,
             )
             loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
             loss.backward()
@@ -148,7 +169,8 @@ def run(args) -> dict:
                   args.max_completion], packed_micro_batches=len(packed), padded_batches=len(padded),
                   padded_batch_size=batch_size, padded_tokens_incl_padding=padded_tokens,
                   model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
-                  device=str(device), threads=torch.get_num_threads())
+                  device=str(device), device_name=device_name(device), attention=attention,
+                  dtype="bfloat16, fp32 head" if fp32_head else "float32", threads=torch.get_num_threads())
     for name, fn in (("packed", packed_pass), ("padded", padded_pass)):
         fn()
         sync()
@@ -168,7 +190,8 @@ def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['documents']} rollouts, completions {r['completion_range'][0]}..{r['completion_range'][1]} tokens, "
         f"{r['real_tokens']} real tokens; tiny Llama H={r['model']['hidden']} layers={r['model']['layers']} "
-        f"V={r['model']['vocab']} on {r['device']} ({r['threads']} threads); median pass",
+        f"V={r['model']['vocab']} in {r['dtype']}, attention {r['attention']}, on {r['device_name']} "
+        f"({r['threads']} threads); median pass",
         "",
         "| loop | forwards | tokens incl. padding | pass (s) | real tokens/s |",
         "|---|---:|---:|---:|---:|",

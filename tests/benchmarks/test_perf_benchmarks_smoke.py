@@ -36,3 +36,17 @@ def test_throughput_runs_both_loops(tmp_path):
                          "--json", str(out)])
     assert r["packed_tokens_per_s"] > 0 and r["padded_tokens_per_s"] > 0
     assert json.loads(out.read_text())["real_tokens"] == r["real_tokens"]
+
+def test_peak_memory_sees_the_naive_logits_and_not_the_fused_chunks():
+    # each configuration in its own process, as `python -m benchmarks` runs it: the measured peak of the
+    # naive path holds the full logits and log-softmax, the fused path's one chunk of them
+    n, h, v, chunk = 1024, 16, 16000, 16
+    logits_mib = n * v * 4 / 2**20  # one float32 [N, V] tensor: 62.5 MiB
+    base = dict(tokens=n, hidden=h, vocab=v, repeats=1, warmup=0, dtype="float32", threads=1, doc_tokens=64,
+                loss="grpo", entropy=False, device="cpu")
+    naive = lm_head._run_in_subprocess(base | {"chunk_tokens": lm_head.NAIVE})
+    fused = lm_head._run_in_subprocess(base | {"chunk_tokens": chunk})
+    assert not naive["peak_is_lower_bound"] and not fused["peak_is_lower_bound"]
+    assert naive["peak_extra_mib"] >= 2 * logits_mib
+    assert fused["peak_extra_mib"] <= 0.25 * logits_mib
+    assert abs(naive["loss"] - fused["loss"]) <= 1e-5 * (1 + abs(naive["loss"]))
