@@ -3,7 +3,7 @@
 its own options: ``python -m benchmarks.NAME --help``.
 
 * ``lm_head``: the fused head + policy loss (grpo, gspo, ± entropy) against the naive full-logits
-  head at N×H×V = 4096×512×32000 and 1024×512×152064, chunk_tokens=DEFAULT_CHUNK_TOKENS, with
+  head at N×H×V = 4096×512×32000 and 1024×512×152064, with rlcli's default chunk_tokens=auto, and
   the 6·N·H·V floor at the measured matmul rate;
 * ``throughput``: packed micro-batches (pack_documents + TokenScorer + fused head and loss) against a
   padded loop;
@@ -19,20 +19,19 @@ from pathlib import Path
 
 from benchmarks import docs_per_step, lm_head, throughput
 
-# the chunk size rlcli's head path is measured with: the default loss.chunk_tokens (at V = 152064 a
-# 256-token chunk of float32 logits is 148 MiB)
-DEFAULT_CHUNK_TOKENS = 256
+# the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
+DEFAULT_CHUNK_TOKENS = "auto"
 SIZES = ["4096x512x32000", "1024x512x152064"]
 
 
 def _lm_head(device: str, json_path: Path | None):
     argv = ["--sizes", *SIZES, "--losses", "grpo", "gspo", "--entropy", "both",
-            "--chunk-tokens", str(DEFAULT_CHUNK_TOKENS), "--repeats", "5", "--warmup", "1", "--device", device]
+            "--chunk-tokens", DEFAULT_CHUNK_TOKENS, "--repeats", "5", "--warmup", "1", "--device", device]
     return lm_head.main(argv + (["--json", str(json_path)] if json_path else []))
 
 
 def _throughput(device: str, json_path: Path | None):
-    argv = ["--chunk-tokens", str(DEFAULT_CHUNK_TOKENS), "--device", device]
+    argv = ["--chunk-tokens", DEFAULT_CHUNK_TOKENS, "--device", device]
     return throughput.main(argv + (["--json", str(json_path)] if json_path else []))
 
 

@@ -58,8 +58,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512, help="H, hidden size")
     parser.add_argument("--vocab", type=int, default=32000, help="V, vocabulary size")
     parser.add_argument(
-        "--chunk-tokens", type=int, nargs="+", default=[0, 1024, 256],
-        help="chunk_tokens values of token_logprobs to run (0 = unchunked); the naive baseline always runs",
+        "--chunk-tokens", type=chunk_tokens_arg, nargs="+", default=["auto"],
+        help="loss.chunk_tokens values of the fused head to run (auto = rlcli's default, 0 = one chunk); "
+             "the naive baseline runs too unless --no-naive",
     )
     parser.add_argument("--no-naive", action="store_true", help="skip the naive full-logits baseline")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per configuration (median reported)")
@@ -85,9 +86,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.threads < 0:
         parser.error("--warmup and --threads must be >= 0")
-    if any(c < 0 for c in args.chunk_tokens):
-        parser.error("--chunk-tokens must be >= 0")
     return args
+
+
+def chunk_tokens_arg(text: str) -> int | str:
+    """``--chunk-tokens`` values: ``auto`` or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or auto, got {text!r}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +170,7 @@ def _make_step_inputs(cfg: dict, device: torch.device):
 
 
 def _worker(cfg: dict) -> dict:
-    from rlcli.modules import Segments, StepTotals, fused_micro_batch_loss, policy_loss
+    from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss, policy_loss
 
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
@@ -198,7 +210,7 @@ def _worker(cfg: dict) -> dict:
     tiny_h = hidden.detach()[:8].clone().requires_grad_(True)
     tiny_w = weight.detach()[:64].clone().requires_grad_(True)
     chunk = cfg["chunk_tokens"]
-    forward_backward(tiny_h, tiny_w, labels[:8].clamp(max=63), slice(0, 8), chunk if chunk == NAIVE else min(chunk, 4))
+    forward_backward(tiny_h, tiny_w, labels[:8].clamp(max=63), slice(0, 8), chunk if chunk == NAIVE else 4)
     del tiny_h, tiny_w
 
     # the gradients of hidden and weight are outputs every implementation must produce (and the
@@ -222,7 +234,8 @@ def _worker(cfg: dict) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     raw_extra = peak - base
     return dict(
-        chunk_tokens=cfg["chunk_tokens"],
+        chunk_tokens=chunk,
+        chunk_tokens_used=auto_chunk_tokens(cfg["vocab"], device.type) if chunk == "auto" else chunk,
         loss_name=loss_name,
         entropy=with_entropy,
         device=str(device),
@@ -276,12 +289,19 @@ def _run_in_subprocess(cfg: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _label(chunk) -> str:
-    if chunk == NAIVE:
+def _chunk_text(r: dict) -> str:
+    """``auto (512)``, ``0`` or ``256``: the chunk_tokens asked for, and what ``auto`` became."""
+    if r["chunk_tokens"] == "auto":
+        return f"auto ({r['chunk_tokens_used']})"
+    return str(r["chunk_tokens"])
+
+
+def _label(r: dict) -> str:
+    if r["chunk_tokens"] == NAIVE:
         return "naive (full logits, autograd)"
-    if chunk == 0:
+    if r["chunk_tokens"] == 0:
         return "rlcli fused head + loss, one chunk"
-    return f"rlcli fused head + loss, chunk_tokens={chunk}"
+    return f"rlcli fused head + loss, chunk_tokens={_chunk_text(r)}"
 
 
 def format_table(results: list[dict], config: dict) -> str:
@@ -298,7 +318,7 @@ def format_table(results: list[dict], config: dict) -> str:
     for r in results:
         star = "*" if r["peak_is_lower_bound"] else ""
         lines.append(
-            f"| {_label(r['chunk_tokens'])} | {r['median_s']:.3g} | {r['min_s']:.3g} | "
+            f"| {_label(r)} | {r['median_s']:.3g} | {r['min_s']:.3g} | "
             f"{r['peak_extra_mib']:.0f}{star} | {r['loss']:.6f} |"
         )
     return "\n".join(lines)
@@ -324,7 +344,7 @@ def format_comparison(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['tokens']}×{r['hidden']}×{r['vocab']} | {r['loss_name']} | {'yes' if r['entropy'] else 'no'} "
-            f"| {r['chunk_tokens']} | {r['naive_s']:.3g} | {r['rlcli_s']:.3g} | {r['time_ratio']:.2f} "
+            f"| {r['chunk']} | {r['naive_s']:.3g} | {r['rlcli_s']:.3g} | {r['time_ratio']:.2f} "
             f"| {r['naive_mib']:.0f} | {r['rlcli_mib']:.0f} | {r['mem_ratio']:.3f} | {r['floor_s']:.3g} "
             f"| {r['rlcli_floor_fraction']:.0%} | {r['naive_floor_fraction']:.0%} |"
         )
@@ -358,7 +378,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 )
                 group = []
                 for chunk in chunks:
-                    print(f"running {n}x{h}x{v} {loss_name} entropy={entropy}: {_label(chunk)} ...",
+                    print(f"running {n}x{h}x{v} {loss_name} entropy={entropy}: chunk_tokens={chunk} ...",
                           file=sys.stderr, flush=True)
                     group.append(_run_in_subprocess(base | {"chunk_tokens": chunk}) | dict(tokens=n, hidden=h, vocab=v))
                 results += group
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         continue
                     comparison.append(dict(
                         tokens=n, hidden=h, vocab=v, loss_name=loss_name, entropy=entropy,
-                        chunk_tokens=r["chunk_tokens"], naive_s=naive["median_s"], rlcli_s=r["median_s"],
+                        chunk_tokens=r["chunk_tokens"], chunk=_chunk_text(r), naive_s=naive["median_s"], rlcli_s=r["median_s"],
                         time_ratio=r["median_s"] / naive["median_s"], naive_mib=naive["peak_extra_mib"],
                         rlcli_mib=r["peak_extra_mib"],
                         mem_ratio=r["peak_extra_mib"] / max(naive["peak_extra_mib"], 1e-9), floor_s=floor_s,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 
 PROMPT_TOKENS = 16
@@ -43,7 +44,8 @@ def _parse(argv):
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--chunk-tokens", type=int, default=128, help="loss.chunk_tokens of the packed path")
+    parser.add_argument("--chunk-tokens", type=chunk_tokens_arg, default="auto",
+                        help="loss.chunk_tokens of the packed path (auto: rlcli's default)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA: bfloat16 model, fp32 head)")

@@ -53,6 +53,7 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("loss.temperature=0", "loss.temperature: must be > 0"),
         ("loss.temperature=nan", "loss.temperature: must be a finite number"),
         ("loss.chunk_tokens=-1", "loss.chunk_tokens: must be >= 0"),
+        ("loss.chunk_tokens=most", "loss.chunk_tokens: expected int, got 'most' (str) or must be one of ['auto']"),
         ("loss.fp32_lm_head=maybe", "loss.fp32_lm_head: expected bool"),
         ("aggregation=constant", "aggregation.divisor: is required"),
         ("aggregation=constant aggregation.divisor=0", "aggregation.divisor: must be > 0"),
@@ -80,6 +81,11 @@ def problems_of(overrides: list[str]) -> list[str]:
 def test_each_invalid_value_is_named(override, expected):
     problems = problems_of(override.split())
     assert any(p.startswith(expected) for p in problems), problems
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("0", 0), ("64", 64)])
+def test_chunk_tokens_takes_a_count_or_auto(value, expected):
+    assert validate_config(compose_train_config([f"loss.chunk_tokens={value}"])).loss.chunk_tokens == expected
 
 
 def test_all_problems_are_reported_together():

@@ -25,7 +25,7 @@ class LossConfig:
     eps_high: float = bounded(ge=0)
     temperature: float = bounded(gt=0)
     fp32_lm_head: bool
-    chunk_tokens: int = bounded(ge=0)
+    chunk_tokens: Union[int, Literal["auto"]] = bounded(ge=0)
 
 
 @dataclass

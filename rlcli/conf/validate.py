@@ -70,10 +70,20 @@ def _check_value(value, annotation, path, problems, meta=None) -> None:
         if value is None and type(None) in args:
             return
         members = [a for a in args if a is not type(None)]
-        if all(dataclasses.is_dataclass(m) for m in members) and len(members) > 1:
-            _check_union(value, members, path, problems)
-        else:
+        if len(members) == 1:
             _check_value(value, members[0], path, problems, meta)
+            return
+        if all(dataclasses.is_dataclass(m) for m in members):
+            _check_union(value, members, path, problems)
+            return
+        reasons = []  # a value passes if one member accepts it, e.g. Union[int, Literal["auto"]]
+        for member in members:
+            found = []
+            _check_value(value, member, path, found, meta)
+            if not found:
+                return
+            reasons += [problem.removeprefix(f"{path}: ") for problem in found]
+        problems.append(f"{path}: {' or '.join(reasons)}")
         return
     if origin is Literal:
         if value not in args:

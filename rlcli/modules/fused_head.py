@@ -31,6 +31,7 @@ from rlcli.modules.lm_head import (
     head_compute_dtype,
     head_operands,
     labels_and_valid,
+    resolve_chunk_tokens,
 )
 from rlcli.modules.losses import per_token_loss
 from rlcli.modules.metrics import MetricPartials
@@ -161,16 +162,17 @@ def fused_micro_batch_loss(
     metrics: str = "basic",
     temperature: float = 1.0,
     fp32: bool = False,
-    chunk_tokens: int = 0,
+    chunk_tokens: int | str = 0,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """``micro_batch_loss`` of ``token_logprobs(hidden, weight, labels, ...)``, in one pass over the head.
 
     Same value, metric partials (entropy with ``metrics="with_entropy"``) and gradients for
     ``hidden`` [N, H] and ``weight`` [V, H]; at most ``chunk_tokens × V`` logits exist at once
-    (``chunk_tokens = 0``: all labelled tokens in one chunk). The gradients are computed during the
-    call, so the returned loss can be backpropagated once.
+    (``chunk_tokens = 0``: all labelled tokens in one chunk; ``"auto"``: `auto_chunk_tokens`). The
+    gradients are computed during the call, so the returned loss can be backpropagated once.
     """
     check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
+    chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
     head_hidden, head_weight = head_operands(hidden, weight, fp32)
     compute_dtype = head_compute_dtype(head_hidden.dtype, fp32)
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)

@@ -40,7 +40,7 @@ class LossSettings:
     metrics: str = "basic"
     temperature: float = 1.0
     fp32_lm_head: bool = False
-    chunk_tokens: int = 256
+    chunk_tokens: int | str = "auto"
 
 
 # Fault injection for the tests: "STEP:RANK" makes that rank's loss (and gradient) NaN at that step.

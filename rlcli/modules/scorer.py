@@ -20,7 +20,7 @@ class TokenScorer(torch.nn.Module):
     """
 
     def __init__(self, policy: torch.nn.Module, *, temperature: float, fp32_lm_head: bool,
-                 chunk_tokens: int, with_entropy: bool) -> None:
+                 chunk_tokens: int | str, with_entropy: bool) -> None:
         super().__init__()
         self.policy = policy
         self.temperature = temperature

@@ -11,7 +11,8 @@ from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_los
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from rlcli.modules import Segments, StepTotals, finalize_metrics, fused_micro_batch_loss
+from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, finalize_metrics, fused_micro_batch_loss
+from rlcli.modules import lm_head
 
 H, V = 8, 40
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -112,6 +113,30 @@ def test_at_most_a_chunk_of_logits_exists_and_labelled_rows_are_scored_once(loss
     assert counter.matmul_flops == 6 * labelled * H * vocab
 
 
+@pytest.mark.parametrize(("vocab", "device", "expected"), [
+    (32000, "cpu", 512),  # 2**24 // 32000 = 524 -> the multiple of 16 below
+    (152064, "cpu", 96),  # 110 -> 96
+    (152064, "cuda", 1760),  # 2**28 // 152064 = 1765 -> 1760
+    (151936, "mps", 96),  # other devices take the CPU's budget
+    (10**7, "cpu", 16),  # never fewer than 16 tokens
+])
+def test_auto_chunk_tokens_fills_the_device_budget_in_multiples_of_16(vocab, device, expected):
+    assert auto_chunk_tokens(vocab, device) == expected
+
+
+def test_auto_chunks_keep_the_bound_and_equal_the_explicit_chunk(monkeypatch):
+    vocab = 500
+    monkeypatch.setitem(lm_head.AUTO_CHUNK_LOGITS, "cpu", 16 * vocab + 15)  # "auto" = 16 tokens
+    step, hidden, weight, labels, group_index, totals = _case(3, num_docs=24, max_len=4, vocab=vocab)
+    assert int((step["mask"] > 0).sum()) > 2 * 16
+    kw = dict(loss="grpo", metrics="with_entropy")
+    with _OpCounter() as counter:
+        auto = _fused(step, hidden, weight, labels, group_index, totals, chunk_tokens="auto", **kw)
+    assert counter.largest <= max(16 * vocab, vocab * H, labels.numel() * H)
+    explicit = _fused(step, hidden, weight, labels, group_index, totals, chunk_tokens=16, **kw)
+    assert torch.equal(auto[0], explicit[0]) and torch.equal(auto[2], explicit[2]) and torch.equal(auto[3], explicit[3])
+
+
 def test_a_gspo_document_longer_than_a_chunk_is_scored_twice_within_the_bound():
     vocab, chunk = 300, 2
     step, hidden, weight, labels, group_index, totals = _case(5, num_docs=12, max_len=9, vocab=vocab)
@@ -162,8 +187,9 @@ def test_without_gradients_or_labelled_tokens():
 def test_invalid_head_arguments_are_named():
     step, hidden, weight, labels, group_index, totals = _case(17)
     args = (step["old"], step["adv"], step["mask"], step["doc"], totals, group_index)
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        fused_micro_batch_loss(hidden, weight, labels, *args, chunk_tokens=-1)
+    for bad in (-1, "all"):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            fused_micro_batch_loss(hidden, weight, labels, *args, chunk_tokens=bad)
     with pytest.raises(ValueError, match="temperature"):
         fused_micro_batch_loss(hidden, weight, labels, *args, temperature=0.0)
     with pytest.raises(ValueError, match="vocab size"):

@@ -18,14 +18,15 @@ TINY = dict(tokens=48, hidden=8, vocab=64, repeats=5, warmup=1, dtype="float32",
 
 
 def test_worker_runs_every_path_and_agrees():
-    results = [lm_head._worker(TINY | {"chunk_tokens": chunk}) for chunk in (lm_head.NAIVE, 0, 5)]
+    results = [lm_head._worker(TINY | {"chunk_tokens": chunk}) for chunk in (lm_head.NAIVE, 0, 5, "auto")]
     for r in results:
         assert len(r["times_s"]) == 5 and all(t > 0 for t in r["times_s"])
         assert r["min_s"] <= r["median_s"]
     losses = [r["loss"] for r in results]
-    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    assert losses == pytest.approx([losses[0]] * 4, rel=1e-5)
+    assert results[3]["chunk_tokens_used"] == 2**24 // 64  # more than the 48 tokens: one chunk
     table = lm_head.format_table(results, TINY | dict(torch="x", cpu="y"))
-    assert "naive" in table and "chunk_tokens=5" in table and "unchunked" in table
+    assert "naive" in table and "chunk_tokens=5" in table and "one chunk" in table and "auto (262144)" in table
 
 
 def test_main_writes_json(tmp_path):
@@ -37,7 +38,8 @@ def test_main_writes_json(tmp_path):
     assert results[0]["chunk_tokens"] == 7 and results[0]["peak_extra_mib"] >= 0
 
 
-@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--chunk-tokens", "-1"], ["--tokens", "0"]])
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--chunk-tokens", "-1"], ["--chunk-tokens", "all"],
+                                  ["--tokens", "0"]])
 def test_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit):
         lm_head.main(argv)
