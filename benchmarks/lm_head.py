@@ -389,7 +389,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         continue
                     comparison.append(dict(
                         tokens=n, hidden=h, vocab=v, loss_name=loss_name, entropy=entropy,
-                        chunk_tokens=r["chunk_tokens"], chunk=_chunk_text(r), naive_s=naive["median_s"], rlcli_s=r["median_s"],
+                        chunk_tokens=r["chunk_tokens"], chunk=_chunk_text(r), naive_s=naive["median_s"],
+                        rlcli_s=r["median_s"],
                         time_ratio=r["median_s"] / naive["median_s"], naive_mib=naive["peak_extra_mib"],
                         rlcli_mib=r["peak_extra_mib"],
                         mem_ratio=r["peak_extra_mib"] / max(naive["peak_extra_mib"], 1e-9), floor_s=floor_s,

@@ -11,8 +11,7 @@ from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_los
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, finalize_metrics, fused_micro_batch_loss
-from rlcli.modules import lm_head
+from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, finalize_metrics, fused_micro_batch_loss, lm_head
 
 H, V = 8, 40
 EPS_LOW, EPS_HIGH = 0.2, 0.28
