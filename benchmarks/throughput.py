@@ -49,10 +49,11 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA: bfloat16 model, fp32 head)")
-    parser.add_argument("--attn", default="auto",
-                        help="attention implementation of the model (auto: flash_attention_2 on CUDA when the "
-                             "flash-attn package is installed, which runs packed rows as variable-length "
-                             "sequences, else sdpa with a block-diagonal mask)")
+    parser.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2", "varlen"],
+                        help="model.attn_implementation of the packed loop (auto: on CUDA flash_attention_2 when the "
+                             "flash-attn package is installed, else rlcli's varlen, both of which attend within each "
+                             "packed document only; on CPU sdpa with a block-diagonal mask, rlcli's default). The "
+                             "padded loop runs sdpa with its padding mask whatever this says.")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
     if not 1 <= args.min_completion <= args.max_completion or args.documents < 1 or args.repeats < 1:
@@ -79,9 +80,9 @@ def _rollouts(args):
 def _attention(args, device) -> str:
     if args.attn != "auto":
         return args.attn
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+    if device.type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "varlen"
 
 
 def _model(args, device):
@@ -93,12 +94,9 @@ def _model(args, device):
     cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
     cfg.vocab_size, cfg.max_position_embeddings = args.vocab, max(1024, args.max_tokens)
     cfg.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg.attn_implementation = _attention(args, device)
     torch.manual_seed(0)
-    model = build_policy(cfg).to(device)
-    attention = _attention(args, device)
-    if attention != "sdpa":
-        model.set_attn_implementation(attention)
-    return model, attention
+    return build_policy(cfg).to(device), cfg.attn_implementation
 
 
 def _padded_batch(docs, device):
@@ -138,7 +136,7 @@ def run(args) -> dict:
     batch_size = args.batch_size or max(1, round(len(rollouts) / len(packed)))
     padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]
     padded_tokens = sum(b[0].numel() for b in padded)
-    model, attention = _model(args, device)
+    model, attn_implementation = _model(args, device)
     fp32_head = device.type == "cuda"  # bfloat16 model, float32 head and softmax
     scorer = TokenScorer(model, temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens,
                          with_entropy=False)
@@ -171,7 +169,7 @@ def run(args) -> dict:
                   args.max_completion], packed_micro_batches=len(packed), padded_batches=len(padded),
                   padded_batch_size=batch_size, padded_tokens_incl_padding=padded_tokens,
                   model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
-                  device=str(device), device_name=device_name(device), attention=attention,
+                  device=str(device), device_name=device_name(device), attention=attn_implementation,
                   dtype="bfloat16, fp32 head" if fp32_head else "float32", threads=torch.get_num_threads())
     for name, fn in (("packed", packed_pass), ("padded", padded_pass)):
         fn()

@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.errors import UserError
+from rlcli.modules import varlen_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,7 +25,7 @@ def tiny_model_config(cfg: DictConfig, default_vocab_size: int = 64):
         num_key_value_heads=cfg.num_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        attn_implementation=cfg.attn_implementation,
     )
 
 
@@ -33,6 +34,8 @@ def build_policy(cfg: DictConfig, default_vocab_size: int = 64) -> torch.nn.Modu
     a tiny model with ``vocab_size: null`` gets ``default_vocab_size`` ids."""
     from transformers import AutoModelForCausalLM
 
+    if cfg.attn_implementation == varlen_attention.NAME:
+        varlen_attention.register()
     if cfg.kind == "tiny":
         model = AutoModelForCausalLM.from_config(tiny_model_config(cfg, default_vocab_size)).to(DTYPES[cfg.dtype])
     else:

@@ -55,6 +55,7 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("loss.chunk_tokens=-1", "loss.chunk_tokens: must be >= 0"),
         ("loss.chunk_tokens=most", "loss.chunk_tokens: expected int, got 'most' (str) or must be one of ['auto']"),
         ("loss.fp32_lm_head=maybe", "loss.fp32_lm_head: expected bool"),
+        ("model.attn_implementation=flash", "model.attn_implementation: must be one of"),
         ("aggregation=constant", "aggregation.divisor: is required"),
         ("aggregation=constant aggregation.divisor=0", "aggregation.divisor: must be > 0"),
         ("aggregation=constant aggregation.divisor=inf", "aggregation.divisor: must be a finite number"),

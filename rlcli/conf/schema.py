@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
+ATTENTION = Literal["sdpa", "eager", "flash_attention_2", "varlen"]
 
 
 def bounded(**bounds) -> dict:
@@ -50,6 +51,7 @@ class TinyModelConfig:
     max_position_embeddings: int = bounded(ge=1)
     dtype: DTYPES
     gradient_checkpointing: bool
+    attn_implementation: ATTENTION
     suggested_lr: float = bounded(gt=0)
 
 
@@ -59,7 +61,7 @@ class HFModelConfig:
     path: str
     dtype: DTYPES
     gradient_checkpointing: bool
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"]
+    attn_implementation: ATTENTION
     trust_remote_code: bool
     suggested_lr: float = bounded(gt=0)
 
