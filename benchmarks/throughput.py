@@ -7,8 +7,8 @@ tiny Llama-style model built by `rlcli.models.build_policy` and the same GRPO to
 * **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, and
   `TokenScorer` with the fused head + GRPO loss (``--chunk-tokens``) and backward per row;
 * **padded** (the usual loop): batches of ``--batch-size`` documents in the same order, right-padded
-  to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits, log-softmax, gather,
-  the same loss, backward. ``--batch-size`` defaults to the number of documents a packed row holds
+  to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits (on CUDA with the head in
+  float32 like the packed path), log-softmax, gather, the same loss, backward. ``--batch-size`` defaults to the number of documents a packed row holds
   on average, so both loops see about the same real tokens per forward.
 
 Throughput = real (unpadded) tokens of all documents / wall time of one pass over them (median of
@@ -152,9 +152,13 @@ def run(args) -> dict:
             loss.backward()
         model.zero_grad(set_to_none=True)
 
+    head_dtype = torch.float32 if fp32_head else next(model.parameters()).dtype
+
     def padded_pass():
         for input_ids, attention, labels, old, adv in padded:
-            logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits  # [B, L, V]
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention, use_cache=False).last_hidden_state
+            weight = model.get_output_embeddings().weight  # [V, H]
+            logits = hidden.to(head_dtype) @ weight.to(head_dtype).T  # [B, L, V], the head in the packed path's dtype
             log_p = torch.log_softmax(logits.float(), dim=-1)
             valid = labels >= 0
             lp = torch.where(valid, log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)

@@ -62,17 +62,17 @@ def step_group_numbering(local_groups: Sequence[Hashable]) -> dict[Hashable, int
     return numbering
 
 
-def clip_grad_norm(strategy, module: torch.nn.Module, max_norm: float) -> float:
+def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> float:
     """Clip the gradient of ``module`` to ``max_norm`` (0: no clipping); returns the norm before.
 
-    The norm is over the whole model on every strategy: FSDP1 asks its root wrapper, and DTensor
-    (FSDP2) gradients reduce their norm over the shards.
+    The norm is over the whole model on every strategy: an FSDP1 root unit (``strategy=fsdp``) computes
+    it over its shards, and DTensor (FSDP2) gradients reduce their norm over the shards.
     """
-    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     limit = max_norm if max_norm > 0 else math.inf
-    if isinstance(strategy, FSDPStrategy):
-        norm = strategy.model.clip_grad_norm_(limit)
+    if isinstance(module, FullyShardedDataParallel):
+        norm = module.clip_grad_norm_(limit)
     else:
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), limit)
     if hasattr(norm, "full_tensor"):

@@ -71,8 +71,8 @@ class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
     ``make_source(rank, world_size)`` builds this rank's source of steps (`rlcli.sources`); the
-    dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` shards the
-    model for FSDP2.
+    dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` returns the
+    scorer sharded for FSDP1 or FSDP2 (`rlcli.strategies`).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class PolicyModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard is not None:
-            self.shard(self.scorer, self.device_mesh)
+            self.scorer = self.shard(self.scorer, self.device_mesh)
 
     def setup(self, stage: str) -> None:
         self.source = self.make_source(self.global_rank, self.trainer.world_size)
@@ -205,7 +205,7 @@ class PolicyModule(L.LightningModule):
             self.empty_steps += 1
             rank_zero_warn(f"step {self.steps_done}: no labelled token in the step; no update")
             return 0.0
-        grad_norm = distributed.clip_grad_norm(self.trainer.strategy, self.scorer, self.grad_clip)
+        grad_norm = distributed.clip_grad_norm(self.scorer, self.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             optimizer.zero_grad()
             self.bad_steps += 1
