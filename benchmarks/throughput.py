@@ -8,8 +8,9 @@ tiny Llama-style model built by `rlcli.models.build_policy` and the same GRPO to
   `TokenScorer` with the fused head + GRPO loss (``--chunk-tokens``) and backward per row;
 * **padded** (the usual loop): batches of ``--batch-size`` documents in the same order, right-padded
   to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits (on CUDA with the head in
-  float32 like the packed path), log-softmax, gather, the same loss, backward. ``--batch-size`` defaults to the number of documents a packed row holds
-  on average, so both loops see about the same real tokens per forward.
+  float32 like the packed path), log-softmax, gather, the same loss, backward. ``--batch-size``
+  defaults to the number of documents a packed row holds on average, so both loops see about the
+  same real tokens per forward.
 
 Throughput = real (unpadded) tokens of all documents / wall time of one pass over them (median of
 ``--repeats`` passes after a warm-up pass). Usage: ``python -m benchmarks.throughput [--json PATH]``.
