@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlcli.modules import varlen_attention
 from rlcli.modules.lm_head import token_logprobs
 
 
@@ -29,8 +30,11 @@ class TokenScorer(torch.nn.Module):
         self.with_entropy = with_entropy
 
     def forward(self, input_ids, position_ids, labels, head_loss=None):
+        documents = {}  # varlen attention: the row's document offsets, found once for all layers
+        if getattr(self.policy.config, "_attn_implementation", None) == varlen_attention.NAME:
+            documents = varlen_attention.packed_row_kwargs(position_ids[None])
         hidden = self.policy.base_model(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **documents
         ).last_hidden_state[0]  # [L, H]
         weight = self.policy.get_output_embeddings().weight  # [V, H]
         if head_loss is not None:

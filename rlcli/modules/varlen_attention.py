@@ -18,32 +18,37 @@ import torch.nn.functional as F
 NAME = "varlen"
 
 
-def document_starts(position_ids: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """``[B, L] -> [S + 1]`` int32 offsets into the flattened ``B·L`` tokens: a document starts at
     every position id 0 and at every row start; the last offset is ``B·L``."""
-    row_starts = torch.arange(0, batch * length, length, device=device)  # [B]
-    if position_ids is None:
-        starts = row_starts
-    else:
-        restarts = torch.nonzero(position_ids.expand(batch, length).reshape(-1) == 0).flatten()  # [R]
-        starts = torch.unique(torch.cat([row_starts, restarts]))  # sorted
-    end = torch.tensor([batch * length], device=device)
-    return torch.cat([starts, end]).to(torch.int32)
+    batch, length = position_ids.shape
+    row_starts = torch.arange(0, batch * length, length, device=position_ids.device)  # [B]
+    restarts = torch.nonzero(position_ids.reshape(-1) == 0).flatten()  # [R]
+    end = torch.tensor([batch * length], device=position_ids.device)
+    return torch.cat([torch.unique(torch.cat([row_starts, restarts])), end]).to(torch.int32)
 
 
-def _cuda_varlen(query, key, value, offsets, scaling):
+def packed_row_kwargs(position_ids: torch.Tensor) -> dict:
+    """The document offsets of packed rows ``[B, L]`` as the model's keyword arguments (the names
+    flash-attention uses), worked out once per forward instead of once per layer (each costs a
+    device synchronisation)."""
+    offsets = document_starts(position_ids)  # [S + 1]
+    longest = int((offsets[1:] - offsets[:-1]).max())
+    return dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest, max_length_k=longest)
+
+
+def _cuda_varlen(query, key, value, offsets, longest, scaling):
     """``[T, Hq, D]`` queries, ``[T, Hkv, D]`` keys and values -> ``[T, Hq, D]``, causal per document."""
     from torch.nn.attention.varlen import varlen_attn
 
     if key.shape[1] != query.shape[1]:  # grouped-query attention: one key head per group of queries
         key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
-    longest = int((offsets[1:] - offsets[:-1]).max())
     options = inspect.signature(varlen_attn).parameters  # torch 2.10 takes is_causal, later ones window_size
     causal = {"is_causal": True} if "is_causal" in options else {"window_size": (-1, 0)}
     return varlen_attn(query, key, value, offsets, offsets, longest, longest, scale=scaling, **causal)
 
 
-def _per_document(query, key, value, offsets, scaling):
+def _per_document(query, key, value, offsets, longest, scaling):
     """The same on any device: one causal SDPA per document. ``[T, H, D]`` in and out."""
     gqa = key.shape[1] != query.shape[1]
     out = torch.empty_like(query)
@@ -64,10 +69,15 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if attention_mask is not None or key.shape[2] != length or (module.training and dropout > 0):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    offsets = document_starts(kwargs.get("position_ids"), batch, length, query.device)  # [S + 1]
+    if kwargs.get("cu_seq_lens_q") is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=query.device).expand(batch, length)
+        kwargs = packed_row_kwargs(position_ids.expand(batch, length))
+    offsets, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]  # [S + 1], int
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # [T, H, D]
     attend = _cuda_varlen if query.is_cuda else _per_document
-    return attend(q, k, v, offsets, scaling).view(batch, length, heads, dim), None
+    return attend(q, k, v, offsets, longest, scaling).view(batch, length, heads, dim), None
 
 
 def _mask(*args, attention_mask=None, **kwargs):

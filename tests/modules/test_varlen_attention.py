@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlcli.models import build_policy
-from rlcli.modules.varlen_attention import document_starts
+from rlcli.modules.varlen_attention import document_starts, packed_row_kwargs
 
 LENGTHS = [5, 1, 9, 3]  # documents of one packed row
 
@@ -42,11 +42,15 @@ def _packed_row():
 
 def test_document_starts_are_the_position_restarts_and_row_starts():
     _, positions = _packed_row()
-    assert document_starts(positions, 1, 18, "cpu").tolist() == [0, 5, 6, 15, 18]
+    assert document_starts(positions).tolist() == [0, 5, 6, 15, 18]
+    assert document_starts(positions).dtype == torch.int32
     two_rows = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])
-    assert document_starts(two_rows, 2, 4, "cpu").tolist() == [0, 3, 4, 8]
-    assert document_starts(None, 2, 4, "cpu").tolist() == [0, 4, 8]
-    assert document_starts(positions, 1, 18, "cpu").dtype == torch.int32
+    assert document_starts(two_rows).tolist() == [0, 3, 4, 8]
+    continued = torch.tensor([[3, 4, 5], [7, 8, 9]])  # rows that do not start at position 0
+    assert document_starts(continued).tolist() == [0, 3, 6]
+    kwargs = packed_row_kwargs(positions)
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 9
+    assert torch.equal(kwargs["cu_seq_lens_q"], document_starts(positions))
 
 
 @pytest.mark.parametrize("kv_heads", [None, 2])
@@ -85,3 +89,20 @@ def test_padded_and_cached_calls_take_the_sdpa_path():
         logits[attn] = out.logits, step.logits
     for varlen, sdpa in zip(logits["varlen"], logits["sdpa"]):
         assert (varlen - sdpa).abs().max() <= 1e-12
+
+
+def test_the_scorer_finds_the_documents_once_per_row(monkeypatch):
+    from rlcli.modules import varlen_attention
+    from rlcli.modules.scorer import TokenScorer
+
+    ids, positions = _packed_row()
+    labels = torch.roll(ids[0], -1)
+    calls = []
+    counted = varlen_attention.document_starts
+    monkeypatch.setattr(varlen_attention, "document_starts", lambda p: calls.append(1) or counted(p))
+    logprobs = {}
+    for attn in ("varlen", "sdpa"):
+        scorer = TokenScorer(_tiny(attn), temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
+        logprobs[attn], _ = scorer(ids[0], positions[0], labels)
+    assert len(calls) == 1  # not once per layer
+    assert (logprobs["varlen"] - logprobs["sdpa"]).abs().max() <= 1e-12
