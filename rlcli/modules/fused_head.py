@@ -224,12 +224,11 @@ def fused_micro_batch_loss(
             scale = torch.where(labels[chunk_rows] >= 0, scale, 0.0)
             for s, e in pieces:
                 piece = chunk_rows[s:e]
-                if len(pieces) == 1:
-                    probs = log_p.exp_()  # [R, V], in place of the log-probabilities
-                else:
+                probs = log_p.exp_() if len(pieces) == 1 else None  # [R, V], in place of the log-probabilities
+                log_p = None  # one [*, V] buffer at a time: the last piece's goes before a piece is recomputed
+                if probs is None:
                     probs = head.logits(piece)  # [r, V], recomputed
                     torch.softmax(probs, -1, out=probs)
-                log_p = None
                 _add_gradients(head, piece, labels[piece], probs, scale[s:e], grad_hidden, grad_weight)
                 del probs
 

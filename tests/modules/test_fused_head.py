@@ -5,6 +5,8 @@ labelled tokens) counted op by op."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_loss, ref_metrics, rel_err
@@ -77,12 +79,16 @@ def test_value_gradients_and_metrics_match_the_float64_references(loss, aggregat
 
 
 class _OpCounter(TorchDispatchMode):
-    """Records the largest tensor any op produces and the FLOPs of the matrix products."""
+    """Records the largest tensor any op produces, the FLOPs of the matrix products, and how many
+    ``[*, vocab]`` logits buffers made by a matrix product were alive at once."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = -1):
         super().__init__()
         self.largest = 0
         self.matmul_flops = 0
+        self.vocab = vocab
+        self.logits = []  # weak references to the [*, vocab] products
+        self.most_logits_alive = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -90,6 +96,9 @@ class _OpCounter(TorchDispatchMode):
         if name in ("mm", "addmm", "addmm_"):
             a, b = (args[1], args[2]) if name.startswith("addmm") else (args[0], args[1])
             self.matmul_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            if out.shape[-1] == self.vocab:
+                self.logits = [ref for ref in self.logits if ref() is not None] + [weakref.ref(out)]
+                self.most_logits_alive = max(self.most_logits_alive, len(self.logits))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
@@ -103,13 +112,14 @@ def test_at_most_a_chunk_of_logits_exists_and_labelled_rows_are_scored_once(loss
     n = labels.numel()
     labelled = int((step["mask"] > 0).sum())
     assert labelled < n and n * vocab > 8 * max(chunk * vocab, vocab * H)
-    with _OpCounter() as counter:
+    with _OpCounter(vocab) as counter:
         _fused(step, hidden, weight, labels, group_index, totals, loss=loss, metrics="with_entropy",
                chunk_tokens=chunk)
     # the largest tensors: one chunk of logits, or the head weight and its gradient
     assert counter.largest <= max(chunk * vocab, vocab * H, n * H)
     # logits, P @ W and P.T @ h once per labelled row (documents of <= 4 tokens fit one chunk)
     assert counter.matmul_flops == 6 * labelled * H * vocab
+    assert counter.most_logits_alive == 1
 
 
 @pytest.mark.parametrize(("vocab", "device", "expected"), [
@@ -142,11 +152,12 @@ def test_a_gspo_document_longer_than_a_chunk_is_scored_twice_within_the_bound():
     doc_labelled = Segments.of(step["doc"]).sum((step["mask"] > 0).to(F64))
     long_rows = int(doc_labelled[doc_labelled > chunk].sum())
     assert long_rows > 0
-    with _OpCounter() as counter:
+    with _OpCounter(vocab) as counter:
         _fused(step, hidden, weight, labels, group_index, totals, loss="gspo", chunk_tokens=chunk)
     labelled = int(doc_labelled.sum())
     assert counter.matmul_flops == 6 * labelled * H * vocab + 2 * long_rows * H * vocab
     assert counter.largest <= max(chunk * vocab, vocab * H)
+    assert counter.most_logits_alive == 1  # each piece's logits are gone before the next piece's exist
 
 
 def test_bfloat16_inputs_with_the_fp32_head_match_float32_and_return_bfloat16_gradients():
