@@ -1,4 +1,4 @@
-"""Time and peak memory of the LM head + policy loss, forward and backward, on CPU.
+"""Time and peak memory of the LM head + policy loss, forward and backward, on CPU or CUDA.
 
 What is measured, per configuration: one training micro-step of the loss path,
 
@@ -10,18 +10,22 @@ What is measured, per configuration: one training micro-step of the loss path,
 plain autograd (which keeps the full logits and log-softmax alive until the backward), followed by
 `policy_loss`.
 
-Time: wall time of forward + backward, ``--warmup`` untimed runs first, then the median (and
-minimum) of ``--repeats`` timed runs (at least 5 by default).
+Time: wall time of forward + backward. One process builds the step once and, after ``--warmup``
+untimed runs of every configuration, runs ``--repeats`` rounds (at least 5 by default) that time
+the naive path and rlcli's one after the other, so that a change in the machine's load shows in
+both alike. Reported: the median (and minimum) of each, and the time ratio as the median of the
+ratios of the runs of each round.
 
-Peak memory: every configuration runs in a fresh subprocess (``python -m benchmarks.lm_head
---worker ...``) so that no allocation of another configuration can hide or inflate it, with glibc's
-mmap threshold fixed at 128 KiB so that every large tensor is its own mapping, returned to the OS
-when freed. The worker allocates its inputs, runs the path once on a tiny problem (loading the
-kernels), then resets the process's high-water resident set size (``/proc/self/clear_refs``) and
-reads it (``VmHWM`` in ``/proc/self/status``) after the warm-up and timed runs. ``peak extra`` =
-high-water RSS - RSS before the runs - the bytes of the ``hidden`` and ``weight`` gradients (outputs
-that every implementation must produce): the working memory of the forward + backward (logits,
-softmax, temporaries), as the OS sees it. Where the high-water mark cannot be reset, the value is
+Peak memory: every configuration runs once more in a fresh subprocess (``python -m
+benchmarks.lm_head --worker ...``) so that no allocation of another configuration can hide or
+inflate it, with glibc's mmap threshold fixed at 128 KiB so that every large tensor is its own
+mapping, returned to the OS when freed. The worker allocates its inputs, runs the path once on a
+tiny problem (loading the kernels), then resets the process's high-water resident set size
+(``/proc/self/clear_refs``) and reads it (``VmHWM`` in ``/proc/self/status``) after a warm-up and
+one run. ``peak extra`` = high-water RSS - RSS before the runs - the bytes of the ``hidden`` and
+``weight`` gradients (outputs that every implementation must produce): the working memory of the
+forward + backward (logits, softmax, temporaries), as the OS sees it. On CUDA the same with
+``torch.cuda.max_memory_allocated``. Where the high-water mark cannot be reset, the value is
 flagged as a lower bound (``*``).
 
 Run it with ``python -m benchmarks`` (all benchmarks) or ``python -m benchmarks.lm_head``; see
@@ -47,6 +51,7 @@ from benchmarks.machine import cpu_name, device_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAIVE = "naive"
+MEMORY_FIELDS = ("peak_extra_mib", "raw_peak_extra_mib", "grads_mib", "peak_is_lower_bound")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -169,7 +174,12 @@ def _make_step_inputs(cfg: dict, device: torch.device):
     return hidden, weight, *rest
 
 
-def _worker(cfg: dict) -> dict:
+def _worker(cfg: dict) -> list[dict]:
+    """One process, one synthetic step, the configurations ``cfg["chunks"]`` (``"naive"`` or a
+    chunk_tokens value). ``mode="time"``: after ``warmup`` untimed runs of each, ``repeats`` rounds
+    that time each configuration once in turn, so that a change in the machine's load shows in all
+    of them alike. ``mode="memory"``: one configuration, a warm-up and one run, and the process's
+    peak beyond the inputs and their gradients."""
     from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss, policy_loss
 
     if cfg["threads"]:
@@ -197,10 +207,10 @@ def _worker(cfg: dict) -> dict:
         loss.backward()
         return loss
 
-    def step():
+    def step(chunk) -> float:
         hidden.grad = None
         weight.grad = None
-        loss = forward_backward(hidden, weight, labels, slice(None), cfg["chunk_tokens"])
+        loss = forward_backward(hidden, weight, labels, slice(None), chunk)
         if cuda:
             torch.cuda.synchronize(device)
         return float(loss.detach())
@@ -209,46 +219,48 @@ def _worker(cfg: dict) -> dict:
     # their one-off buffers are not counted as the configuration's memory
     tiny_h = hidden.detach()[:8].clone().requires_grad_(True)
     tiny_w = weight.detach()[:64].clone().requires_grad_(True)
-    chunk = cfg["chunk_tokens"]
-    forward_backward(tiny_h, tiny_w, labels[:8].clamp(max=63), slice(0, 8), chunk if chunk == NAIVE else 4)
+    for chunk in cfg["chunks"]:
+        forward_backward(tiny_h, tiny_w, labels[:8].clamp(max=63), slice(0, 8), chunk if chunk == NAIVE else 4)
     del tiny_h, tiny_w
 
-    # the gradients of hidden and weight are outputs every implementation must produce (and the
-    # optimizer keeps): "peak extra" is what the step needs beyond the inputs and these gradients
-    grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    if cuda:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        lower_bound = False
-    else:
-        base = _rss_bytes()
-        lower_bound = not _reset_peak_rss()
+    def describe(chunk) -> dict:
+        used = auto_chunk_tokens(cfg["vocab"], device.type) if chunk == "auto" else chunk
+        return dict(chunk_tokens=chunk, chunk_tokens_used=used, loss_name=loss_name, entropy=with_entropy,
+                    device=str(device), threads=torch.get_num_threads())
+
+    if cfg["mode"] == "memory":
+        (chunk,) = cfg["chunks"]
+        # the gradients of hidden and weight are outputs every implementation must produce (and the
+        # optimizer keeps): "peak extra" is what the step needs beyond the inputs and these gradients
+        grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            lower_bound = False
+        else:
+            base = _rss_bytes()
+            lower_bound = not _reset_peak_rss()
+        for _ in range(cfg["warmup"] + 1):
+            loss = step(chunk)
+        raw_extra = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()) - base
+        return [describe(chunk) | dict(
+            peak_extra_mib=max(raw_extra - grads_bytes, 0) / 2**20, raw_peak_extra_mib=raw_extra / 2**20,
+            grads_mib=grads_bytes / 2**20, peak_is_lower_bound=lower_bound, loss=loss,
+        )]
+
     for _ in range(cfg["warmup"]):
-        step()
-    times = []
+        for chunk in cfg["chunks"]:
+            step(chunk)
+    times = {chunk: [] for chunk in cfg["chunks"]}
+    losses = {}
     for _ in range(cfg["repeats"]):
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
-    raw_extra = peak - base
-    return dict(
-        chunk_tokens=chunk,
-        chunk_tokens_used=auto_chunk_tokens(cfg["vocab"], device.type) if chunk == "auto" else chunk,
-        loss_name=loss_name,
-        entropy=with_entropy,
-        device=str(device),
-        median_s=statistics.median(times),
-        min_s=min(times),
-        times_s=times,
-        peak_extra_mib=max(raw_extra - grads_bytes, 0) / 2**20,
-        raw_peak_extra_mib=raw_extra / 2**20,
-        grads_mib=grads_bytes / 2**20,
-        peak_is_lower_bound=lower_bound,
-        loss=loss,
-        threads=torch.get_num_threads(),
-    )
+        for chunk in cfg["chunks"]:
+            start = time.perf_counter()
+            losses[chunk] = step(chunk)
+            times[chunk].append(time.perf_counter() - start)
+    return [describe(chunk) | dict(median_s=statistics.median(times[chunk]), min_s=min(times[chunk]),
+                                   times_s=times[chunk], loss=losses[chunk]) for chunk in cfg["chunks"]]
 
 
 def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", repeats: int = 5,
@@ -276,7 +288,7 @@ def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", r
 # --------------------------------------------------------------------------------------------
 
 
-def _run_in_subprocess(cfg: dict) -> dict:
+def _run_in_subprocess(cfg: dict) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # large blocks are mapped and unmapped: RSS = live memory
@@ -376,11 +388,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     threads=args.threads, doc_tokens=args.doc_tokens, loss=loss_name, entropy=entropy,
                     device=args.device,
                 )
-                group = []
-                for chunk in chunks:
-                    print(f"running {n}x{h}x{v} {loss_name} entropy={entropy}: chunk_tokens={chunk} ...",
+                print(f"timing {n}x{h}x{v} {loss_name} entropy={entropy}: {', '.join(map(str, chunks))} in turns ...",
+                      file=sys.stderr, flush=True)
+                group = _run_in_subprocess(base | {"mode": "time", "chunks": chunks})
+                for r in group:
+                    print(f"peak memory of {n}x{h}x{v} {loss_name} entropy={entropy}: {r['chunk_tokens']} ...",
                           file=sys.stderr, flush=True)
-                    group.append(_run_in_subprocess(base | {"chunk_tokens": chunk}) | dict(tokens=n, hidden=h, vocab=v))
+                    (memory,) = _run_in_subprocess(base | {"mode": "memory", "chunks": [r["chunk_tokens"]]})
+                    r |= {k: memory[k] for k in MEMORY_FIELDS} | dict(tokens=n, hidden=h, vocab=v)
                 results += group
                 naive = next((r for r in group if r["chunk_tokens"] == NAIVE), None)
                 floor_s = 6 * n * h * v / rates[f"{n}x{h}x{v}"] if args.floor else float("nan")
@@ -391,7 +406,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         tokens=n, hidden=h, vocab=v, loss_name=loss_name, entropy=entropy,
                         chunk_tokens=r["chunk_tokens"], chunk=_chunk_text(r), naive_s=naive["median_s"],
                         rlcli_s=r["median_s"],
-                        time_ratio=r["median_s"] / naive["median_s"], naive_mib=naive["peak_extra_mib"],
+                        # the median of the ratios of runs made one after the other
+                        time_ratio=statistics.median(a / b for a, b in zip(r["times_s"], naive["times_s"])),
+                        naive_mib=naive["peak_extra_mib"],
                         rlcli_mib=r["peak_extra_mib"],
                         mem_ratio=r["peak_extra_mib"] / max(naive["peak_extra_mib"], 1e-9), floor_s=floor_s,
                         rlcli_floor_fraction=floor_s / r["median_s"], naive_floor_fraction=floor_s / naive["median_s"],

@@ -22,9 +22,12 @@ def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys, monkeypatch
     assert len(saved["results"]) == 8 and len(saved["comparison"]) == 4
     for row in saved["comparison"]:
         assert row["rlcli_s"] > 0 and row["naive_s"] > 0 and row["floor_s"] > 0
-    for naive, chunked in zip(saved["results"][::2], saved["results"][1::2]):
+    for naive, chunked, row in zip(saved["results"][::2], saved["results"][1::2], saved["comparison"]):
         assert naive["chunk_tokens"] == "naive"
         assert abs(naive["loss"] - chunked["loss"]) <= 1e-5 * (1 + abs(naive["loss"]))
+        # the time ratio pairs the runs of each round
+        paired = sorted(c / n for c, n in zip(chunked["times_s"], naive["times_s"]))
+        assert row["time_ratio"] == paired[2]
     table = capsys.readouterr().out
     assert "time ratio" in table and "GFLOP/s" in table and "gspo" in table
 
@@ -37,15 +40,16 @@ def test_throughput_runs_both_loops(tmp_path):
     assert r["packed_tokens_per_s"] > 0 and r["padded_tokens_per_s"] > 0
     assert json.loads(out.read_text())["real_tokens"] == r["real_tokens"]
 
+
 def test_peak_memory_sees_the_naive_logits_and_not_the_fused_chunks():
     # each configuration in its own process, as `python -m benchmarks` runs it: the measured peak of the
     # naive path holds the full logits and log-softmax, the fused path's one chunk of them
     n, h, v, chunk = 1024, 16, 16000, 16
     logits_mib = n * v * 4 / 2**20  # one float32 [N, V] tensor: 62.5 MiB
     base = dict(tokens=n, hidden=h, vocab=v, repeats=1, warmup=0, dtype="float32", threads=1, doc_tokens=64,
-                loss="grpo", entropy=False, device="cpu")
-    naive = lm_head._run_in_subprocess(base | {"chunk_tokens": lm_head.NAIVE})
-    fused = lm_head._run_in_subprocess(base | {"chunk_tokens": chunk})
+                loss="grpo", entropy=False, device="cpu", mode="memory")
+    (naive,) = lm_head._run_in_subprocess(base | {"chunks": [lm_head.NAIVE]})
+    (fused,) = lm_head._run_in_subprocess(base | {"chunks": [chunk]})
     assert not naive["peak_is_lower_bound"] and not fused["peak_is_lower_bound"]
     assert naive["peak_extra_mib"] >= 2 * logits_mib
     assert fused["peak_extra_mib"] <= 0.25 * logits_mib
