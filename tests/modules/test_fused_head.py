@@ -124,10 +124,10 @@ def test_at_most_a_chunk_of_logits_exists_and_labelled_rows_are_scored_once(loss
 
 @pytest.mark.parametrize(("vocab", "device", "expected"), [
     (32000, "cpu", 512),  # 2**24 // 32000 = 524 -> the multiple of 16 below
-    (152064, "cpu", 96),  # 110 -> 96
+    (100000, "cpu", 160),  # 167 -> 160
+    (152064, "cpu", 128),  # 110 -> 96, raised to the minimum
     (152064, "cuda", 1760),  # 2**28 // 152064 = 1765 -> 1760
-    (151936, "mps", 96),  # other devices take the CPU's budget
-    (10**7, "cpu", 16),  # never fewer than 16 tokens
+    (32000, "mps", 512),  # other devices take the CPU's budget
 ])
 def test_auto_chunk_tokens_fills_the_device_budget_in_multiples_of_16(vocab, device, expected):
     assert auto_chunk_tokens(vocab, device) == expected
@@ -136,6 +136,7 @@ def test_auto_chunk_tokens_fills_the_device_budget_in_multiples_of_16(vocab, dev
 def test_auto_chunks_keep_the_bound_and_equal_the_explicit_chunk(monkeypatch):
     vocab = 500
     monkeypatch.setitem(lm_head.AUTO_CHUNK_LOGITS, "cpu", 16 * vocab + 15)  # "auto" = 16 tokens
+    monkeypatch.setattr(lm_head, "AUTO_CHUNK_MIN_TOKENS", 16)
     step, hidden, weight, labels, group_index, totals = _case(3, num_docs=24, max_len=4, vocab=vocab)
     assert int((step["mask"] > 0).sum()) > 2 * 16
     kw = dict(loss="grpo", metrics="with_entropy")
