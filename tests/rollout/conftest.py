@@ -20,6 +20,7 @@ def build_tiny_model(vocab_size: int, *, hidden_size: int = 64, num_layers: int 
             num_layers=num_layers,
             num_heads=4,
             max_position_embeddings=64,
+            attn_implementation="sdpa",
         )
     )
     torch.manual_seed(seed)
