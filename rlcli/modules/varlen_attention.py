@@ -10,6 +10,7 @@ on-policy sampler) take the ``sdpa`` path unchanged.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -37,15 +38,23 @@ def packed_row_kwargs(position_ids: torch.Tensor) -> dict:
     return dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest, max_length_k=longest)
 
 
+@functools.cache
+def _causal_option() -> dict:
+    """How this torch's `varlen_attn` is told to be causal: torch 2.10 takes is_causal, later ones
+    window_size (looked up once, not in every layer's call)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    options = inspect.signature(varlen_attn).parameters
+    return {"is_causal": True} if "is_causal" in options else {"window_size": (-1, 0)}
+
+
 def _cuda_varlen(query, key, value, offsets, longest, scaling):
     """``[T, Hq, D]`` queries, ``[T, Hkv, D]`` keys and values -> ``[T, Hq, D]``, causal per document."""
     from torch.nn.attention.varlen import varlen_attn
 
     if key.shape[1] != query.shape[1]:  # grouped-query attention: one key head per group of queries
         key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
-    options = inspect.signature(varlen_attn).parameters  # torch 2.10 takes is_causal, later ones window_size
-    causal = {"is_causal": True} if "is_causal" in options else {"window_size": (-1, 0)}
-    return varlen_attn(query, key, value, offsets, offsets, longest, longest, scale=scaling, **causal)
+    return varlen_attn(query, key, value, offsets, offsets, longest, longest, scale=scaling, **_causal_option())
 
 
 def _per_document(query, key, value, offsets, longest, scaling):
@@ -72,7 +81,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if kwargs.get("cu_seq_lens_q") is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(length, device=query.device).expand(batch, length)
+            position_ids = torch.arange(length, device=query.device)
         kwargs = packed_row_kwargs(position_ids.expand(batch, length))
     offsets, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]  # [S + 1], int
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))  # [T, H, D]
