@@ -5,16 +5,18 @@ chunked, recomputes every chunk of logits there: 8·N·H·V floating-point opera
 reads a chunk's log-probs only through the chunk's own tokens (grpo) or its own documents (gspo),
 so ``g = dL/dlp`` of a chunk is known as soon as its logits are. `fused_micro_batch_loss` computes
 each chunk's logits once, gets ``g`` by autograd on the chunk's ``[C]`` log-probs, and turns the
-logits into the head's gradients at once (6·N·H·V, one ``[C, V]`` buffer):
+logits into the head's gradients at once (6·N·H·V, one ``[V, C]`` buffer):
 
     s = g / T                              per token (0 where the label is ignored)
-    grad_h = s * (W[y] - P @ W)            P = softmax(z) [C, V], in place of the logits
-    grad_W = index_add(y, s * h) - P.T @ (s * h)
+    grad_h = s * (W[y] - P.T @ W)          P = softmax(z) [V, C], in place of the logits
+    grad_W = index_add(y, s * h) - P @ (s * h)
 
 Only labelled tokens (``mask > 0``) go through the head: the loss and the metrics never read the
-others. A gspo document with more labelled tokens than ``chunk_tokens`` does not fit one chunk: its
-log-probs are computed first (chunk by chunk, forward only), then its chunks again for the
-gradients. The backward only scales the stored gradients by the incoming scalar.
+others. A gspo document with more labelled tokens than ``chunk_tokens`` does not fit one chunk: it
+is cut into pieces of ``chunk_tokens`` (the first takes the remainder), their log-probs are
+computed first, then the gradients, the last piece's from the buffer still held and the others'
+from recomputed logits: ``2·(length - chunk_tokens)·H·V`` more operations for the document. The
+backward only scales the stored gradients by the incoming scalar.
 """
 
 from __future__ import annotations
@@ -53,56 +55,86 @@ class _Head:
     acc_dtype: torch.dtype  # of the softmax, log-probs and gradient sums
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[R] -> [R, V]`` temperature-scaled logits in ``acc_dtype``, a fresh buffer."""
-        return chunk_logits(self.hidden[rows].to(self.compute_dtype), self.weight, self.temperature, self.acc_dtype)
+        """``[R] -> [V, R]``: the rows' temperature-scaled logits, vocabulary-major, in ``acc_dtype``
+        (a fresh buffer). ``W @ h.T`` rather than ``h @ W.T``: on CPU the same product runs 15-35%
+        faster this way round and its BLAS workspace is 3 MiB instead of 12 MiB."""
+        h = self.hidden[rows].to(self.compute_dtype)  # [R, H]
+        if self.compute_dtype == self.acc_dtype:
+            return torch.mm(self.weight, (h / self.temperature if self.temperature != 1.0 else h).T)
+        logits = torch.mm(self.weight, h.T).to(self.acc_dtype)  # half matmul, float32 softmax
+        return logits.div_(self.temperature) if self.temperature != 1.0 else logits
 
 
-def _entropy(log_p: torch.Tensor) -> torch.Tensor:
-    """``[C, V] -> [C]``: ``-Σ p log p`` of each row, in row blocks."""
-    block = max(1, ENTROPY_BLOCK_ELEMENTS // log_p.shape[1])
-    parts = []
-    for rows in log_p.split(block):
-        p = rows.exp()  # [b, V]
-        parts.append(torch.bmm(p[:, None, :], rows[:, :, None]).view(-1).neg_())  # [b]
-    return torch.cat(parts)
+@dataclass
+class _Scored:
+    """A chunk's softmax, kept unnormalised: ``P = exps / sums`` column by column."""
+
+    exps: torch.Tensor  # [V, R] exp(z - max_v z), in place of the logits
+    sums: torch.Tensor  # [R] Σ_v exps
+    logprobs: torch.Tensor  # [R], 0 where the label is ignored
+    entropy: torch.Tensor | None  # [R], 0 where the label is ignored
 
 
-def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
-    """Log-softmax of the rows' logits, in place: ``(log_p [R, V], logprobs [R], entropy [R] | None)``;
-    both are 0 where the label is ignored."""
-    log_p = head.logits(rows)
-    torch.log_softmax(log_p, -1, out=log_p)  # [R, V]
+def _exp_with_dot(shifted: torch.Tensor) -> torch.Tensor:
+    """Exponentiate ``shifted`` [V, R] in place, in blocks of rows; return ``Σ_v exp(y_v) y_v`` [R]."""
+    block = max(1, ENTROPY_BLOCK_ELEMENTS // shifted.shape[1])
+    dot = shifted.new_zeros(shifted.shape[1])  # [R]
+    for y in shifted.split(block):  # [b, R], contiguous
+        e = y.exp()  # [b, R]
+        dot += y.mul_(e).sum(0)
+        y.copy_(e)
+    return dot
+
+
+def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: bool) -> _Scored:
+    """The rows' log-probs (and entropies) and their softmax, from one ``[V, R]`` buffer.
+
+    With ``y = z - max z`` and ``s = Σ exp(y)``: ``log p(label) = y_label - log s`` and
+    ``entropy = log s - Σ exp(y) y / s``."""
+    exps = head.logits(rows)  # [V, R]
+    exps.sub_(exps.amax(0))  # y, in place
     safe_labels, valid = labels_and_valid(labels)
-    picked = log_p.gather(1, safe_labels[:, None]).squeeze(1)  # [R]
-    logprobs = torch.where(valid, picked, 0.0)
-    entropy = torch.where(valid, _entropy(log_p), 0.0) if with_entropy else None
-    return log_p, logprobs, entropy
+    picked = exps[safe_labels, torch.arange(rows.numel(), device=rows.device)]  # [R]
+    if with_entropy:
+        dot = _exp_with_dot(exps)  # [R]
+    else:
+        exps.exp_()
+    sums = exps.sum(0)  # [R]
+    log_sums = sums.log()
+    logprobs = torch.where(valid, picked - log_sums, 0.0)
+    entropy = torch.where(valid, log_sums - dot / sums, 0.0) if with_entropy else None
+    return _Scored(exps, sums, logprobs, entropy)
 
 
-def _add_gradients(head: _Head, rows, labels, probs, scale, grad_hidden, grad_weight) -> None:
-    """Add the rows' head gradients for ``d L / d z = scale * (onehot(y) - P)``.
+def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidden, grad_weight) -> None:
+    """Add the rows' head gradients for ``d L / d z = scale * (onehot(y) - P)``, ``P = exps / sums``.
 
-    probs [R, V] softmax (consumed); scale [R] = (dL/dlp) / T, 0 where the label is ignored.
+    scored.exps [V, R] is consumed; scale [R] = (dL/dlp) / T, 0 where the label is ignored. The
+    ``1 / sums`` of ``P`` is applied to the ``[R, H]`` operands, never as a pass over ``[V, R]``.
     """
     safe_labels, _ = labels_and_valid(labels)
-    probs = probs.to(head.compute_dtype)  # no-op unless a half matmul
+    exps = scored.exps.to(head.compute_dtype)  # [V, R], a no-op unless a half matmul
+    scored.exps = None
+    p_scale = (scale / scored.sums)[:, None]  # [R, 1]
     if grad_hidden is not None:
-        pw = (probs @ head.weight).to(head.acc_dtype)  # [R, H]
+        ew = (exps.T @ head.weight).to(head.acc_dtype)  # [R, H]
         label_rows = head.weight.index_select(0, safe_labels).to(head.acc_dtype)  # [R, H]
-        grad_hidden[rows] = (label_rows - pw).mul_(scale[:, None])  # [R, H]
+        grad_hidden[rows] = label_rows.mul_(scale[:, None]).sub_(ew.mul_(p_scale))  # [R, H]
     if grad_weight is not None:
-        scaled_h = head.hidden[rows].to(head.acc_dtype) * scale[:, None]  # [R, H]
+        h = head.hidden[rows].to(head.acc_dtype)  # [R, H]
         if head.compute_dtype == head.acc_dtype:
-            grad_weight.addmm_(probs.T, scaled_h, alpha=-1)  # [V, H], no temporary
+            grad_weight.addmm_(exps, h * p_scale, alpha=-1)  # [V, H], no temporary
         else:
-            grad_weight -= (probs.T @ scaled_h.to(head.compute_dtype)).to(head.acc_dtype)
-        grad_weight.index_add_(0, safe_labels, scaled_h)  # the one-hot term
+            grad_weight -= (exps @ (h * p_scale).to(head.compute_dtype)).to(head.acc_dtype)
+        grad_weight.index_add_(0, safe_labels, h.mul_(scale[:, None]))  # the one-hot term
 
 
 def _slices(m: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of consecutive slices of at most ``chunk_tokens`` of ``m`` rows (0: one slice)."""
+    """``(start, end)`` of consecutive slices of at most ``chunk_tokens`` of ``m`` rows (0: one slice);
+    the first takes the remainder, so only it can be shorter."""
     size = chunk_tokens if chunk_tokens > 0 else max(m, 1)
-    return [(start, min(start + size, m)) for start in range(0, m, size)]
+    first = m % size or size
+    return [(0, min(first, m))] + [(start, start + size) for start in range(first, m, size)] if m else []
 
 
 def _chunks(documents: torch.Tensor, chunk_tokens: int, whole_documents: bool) -> list[tuple[int, int]]:
@@ -209,28 +241,26 @@ def fused_micro_batch_loss(
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for start, end in _chunks(document_index[rows], chunk_tokens, whole_documents=loss == "gspo"):
             chunk_rows = rows[start:end]
-            # one piece, unless a gspo document is longer than a chunk: then its log-probs come
-            # first, piece by piece, and its pieces' logits are recomputed for the gradients
+            # one piece, unless a gspo document is longer than a chunk: then the log-probs of all
+            # its pieces come first, and only the last piece's buffer is still there for the gradients
             pieces = _slices(end - start, chunk_tokens)
             for s, e in pieces:
                 piece = chunk_rows[s:e]
-                log_p = None  # free the previous buffer before the next one exists
-                log_p, logprobs[piece], piece_entropy = _score(head, piece, labels[piece], with_entropy)
+                scored = None  # free the previous buffer before the next one exists
+                scored = _score(head, piece, labels[piece], with_entropy)
+                logprobs[piece] = scored.logprobs
                 if with_entropy:
-                    entropy[piece] = piece_entropy
+                    entropy[piece] = scored.entropy
             if not (need_hidden or need_weight):
                 continue
             scale = loss_gradient(chunk_rows, logprobs[chunk_rows])  # [R]
             scale = torch.where(labels[chunk_rows] >= 0, scale, 0.0)
-            for s, e in pieces:
+            for s, e in reversed(pieces):
                 piece = chunk_rows[s:e]
-                probs = log_p.exp_() if len(pieces) == 1 else None  # [R, V], in place of the log-probabilities
-                log_p = None  # one [*, V] buffer at a time: the last piece's goes before a piece is recomputed
-                if probs is None:
-                    probs = head.logits(piece)  # [r, V], recomputed
-                    torch.softmax(probs, -1, out=probs)
-                _add_gradients(head, piece, labels[piece], probs, scale[s:e], grad_hidden, grad_weight)
-                del probs
+                if scored is None:  # an earlier piece: its logits again
+                    scored = _score(head, piece, labels[piece], with_entropy=False)
+                _add_gradients(head, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight)
+                scored = None  # one [V, *] buffer at a time
 
         value, partials = micro_batch_loss(
             logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
