@@ -29,7 +29,6 @@ from torch.autograd.function import once_differentiable
 from rlcli.modules.aggregation import StepTotals, token_weights
 from rlcli.modules.lm_head import (
     check_head_inputs,
-    chunk_logits,
     head_compute_dtype,
     head_operands,
     labels_and_valid,
@@ -40,7 +39,7 @@ from rlcli.modules.metrics import MetricPartials
 from rlcli.modules.policy_loss import micro_batch_loss
 from rlcli.modules.segments import Segments
 
-# entropies are summed over blocks of rows of at most this many elements (bounds the temporary)
+# entropies are summed over blocks of vocabulary rows of at most this many elements (bounds the temporaries)
 ENTROPY_BLOCK_ELEMENTS = 1 << 22
 
 
@@ -56,7 +55,7 @@ class _Head:
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``[R] -> [V, R]``: the rows' temperature-scaled logits, vocabulary-major, in ``acc_dtype``
-        (a fresh buffer). ``W @ h.T`` rather than ``h @ W.T``: on CPU the same product runs 15-35%
+        (a fresh buffer). ``W @ h.T`` rather than ``h @ W.T``: on CPU the same product runs 25-35%
         faster this way round and its BLAS workspace is 3 MiB instead of 12 MiB."""
         h = self.hidden[rows].to(self.compute_dtype)  # [R, H]
         if self.compute_dtype == self.acc_dtype:
