@@ -13,7 +13,15 @@ from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_los
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, finalize_metrics, fused_micro_batch_loss, lm_head
+from rlcli.modules import (
+    Segments,
+    StepTotals,
+    auto_chunk_tokens,
+    finalize_metrics,
+    fused_head,
+    fused_micro_batch_loss,
+    lm_head,
+)
 
 H, V = 8, 40
 EPS_LOW, EPS_HIGH = 0.2, 0.28
@@ -104,6 +112,32 @@ class _OpCounter(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_large_logits_and_entropy_summed_in_blocks_match_the_float64_references(loss, monkeypatch):
+    # every logit raised by 1000 (a constant input feature): the softmax is unchanged, but exp()
+    # overflows float64 unless it is shifted by the maximum; 64-element blocks over chunks of <= 5
+    # tokens: the entropy is summed over 4 blocks of V = 40
+    monkeypatch.setattr(fused_head, "ENTROPY_BLOCK_ELEMENTS", 64)
+    step, hidden, weight, labels, group_index, totals = _case(17)
+    hidden = torch.cat([hidden, torch.ones_like(hidden[:, :1])], 1)  # [N, H + 1]
+    weight = torch.cat([weight, torch.full_like(weight[:, :1], 1000.0)], 1)  # [V, H + 1]
+    assert torch.exp(hidden @ weight.T).isinf().all()
+    value, metrics, grad_h, grad_w = _fused(step, hidden, weight, labels, group_index, totals, loss=loss,
+                                            metrics="with_entropy", chunk_tokens=5)
+
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    ref_lp, ref_entropy = ref_head(h, w, labels)
+    ref_loss(ref_lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"], loss=loss,
+             aggregation="token_mean", eps_low=EPS_LOW, eps_high=EPS_HIGH).backward()
+    assert h.grad.abs().max() > 0
+    assert rel_err(grad_h, h.grad) <= 1e-10 and rel_err(grad_w, w.grad) <= 1e-10
+    expected = ref_metrics(ref_lp, step["old"], step["adv"], step["mask"], step["doc"], loss=loss,
+                           eps_low=EPS_LOW, eps_high=EPS_HIGH, entropy=ref_entropy)
+    assert metrics["entropy"].item() == pytest.approx(expected["entropy"], rel=1e-10)
+    assert metrics["new_logprobs"].item() == pytest.approx(expected["new_logprobs"], rel=1e-12)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
