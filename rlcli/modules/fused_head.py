@@ -131,9 +131,11 @@ def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidde
 def _slices(m: int, chunk_tokens: int) -> list[tuple[int, int]]:
     """``(start, end)`` of consecutive slices of at most ``chunk_tokens`` of ``m`` rows (0: one slice);
     the first takes the remainder, so only it can be shorter."""
-    size = chunk_tokens if chunk_tokens > 0 else max(m, 1)
+    if m == 0:
+        return []
+    size = chunk_tokens if chunk_tokens > 0 else m
     first = m % size or size
-    return [(0, min(first, m))] + [(start, start + size) for start in range(first, m, size)] if m else []
+    return [(0, first)] + [(start, start + size) for start in range(first, m, size)]
 
 
 def _chunks(documents: torch.Tensor, chunk_tokens: int, whole_documents: bool) -> list[tuple[int, int]]:
