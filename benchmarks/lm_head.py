@@ -274,7 +274,8 @@ def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", r
     h = torch.randn(tokens, hidden, device=dev)
     w = torch.randn(vocab, hidden, device=dev)
     best = float("inf")
-    for a, b, out in ((h, w, torch.empty(tokens, vocab, device=dev)), (w, h, torch.empty(vocab, tokens, device=dev))):
+    for a, b in ((h, w), (w, h)):
+        out = torch.empty(a.shape[0], b.shape[0], device=dev)  # [N, V], then [V, N]
         times = []
         for i in range(repeats + 1):
             start = time.perf_counter()
@@ -284,7 +285,7 @@ def matmul_flops(tokens: int, hidden: int, vocab: int, *, device: str = "cpu", r
             if i:
                 times.append(time.perf_counter() - start)
         best = min(best, statistics.median(times))
-        del out
+        del out  # one output buffer at a time
     return 2 * tokens * hidden * vocab / best
 
 

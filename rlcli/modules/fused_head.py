@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 from rlcli.modules.aggregation import StepTotals, token_weights
 from rlcli.modules.lm_head import (
     check_head_inputs,
+    chunk_logits,
     head_compute_dtype,
     head_operands,
     labels_and_valid,
@@ -57,11 +58,8 @@ class _Head:
         """``[R] -> [V, R]``: the rows' temperature-scaled logits, vocabulary-major, in ``acc_dtype``
         (a fresh buffer). ``W @ h.T`` rather than ``h @ W.T``: on CPU the same product runs 25-35%
         faster this way round and its BLAS workspace is 3 MiB instead of 12 MiB."""
-        h = self.hidden[rows].to(self.compute_dtype)  # [R, H]
-        if self.compute_dtype == self.acc_dtype:
-            return torch.mm(self.weight, (h / self.temperature if self.temperature != 1.0 else h).T)
-        logits = torch.mm(self.weight, h.T).to(self.acc_dtype)  # half matmul, float32 softmax
-        return logits.div_(self.temperature) if self.temperature != 1.0 else logits
+        return chunk_logits(self.hidden[rows].to(self.compute_dtype), self.weight, self.temperature,
+                            self.acc_dtype, vocab_major=True)
 
 
 @dataclass

@@ -54,16 +54,20 @@ def _chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
 
 
-def chunk_logits(h, w, temperature, softmax_dtype):
+def chunk_logits(h, w, temperature, softmax_dtype, vocab_major: bool = False):
     """Temperature-scaled logits of one chunk in ``softmax_dtype`` (float32 or float64).
 
-    h [C, H] and w [V, H] in the compute dtype -> [C, V], a fresh tensor that may be overwritten.
+    h [C, H] and w [V, H] in the compute dtype -> [C, V] (``vocab_major``: [V, C], as ``w @ h.T``),
+    a fresh tensor that may be overwritten.
     """
+    def product(h):
+        return torch.mm(w, h.T) if vocab_major else h @ w.T
+
     if h.dtype == softmax_dtype:
         if temperature != 1.0:
             h = h / temperature  # [C, H]: cheaper than dividing the [C, V] logits
-        return h @ w.T  # [C, V]
-    logits = (h @ w.T).to(softmax_dtype)  # half matmul, float32 softmax
+        return product(h)
+    logits = product(h).to(softmax_dtype)  # half matmul, float32 softmax
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
