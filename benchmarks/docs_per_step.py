@@ -40,7 +40,7 @@ def _rollouts(count: int):
 
 
 def _time_mode(stream, scorer, *, steps, micro_batches, docs_per_step, with_model):
-    from rlcli.step import collect_step, plan_step
+    from rlcli.training.step import collect_step, plan_step
 
     prepare, total = [], []
     for _ in range(steps):
@@ -62,9 +62,9 @@ def _time_mode(stream, scorer, *, steps, micro_batches, docs_per_step, with_mode
 def _worker(rank: int, args, port: int, results) -> None:
     from omegaconf import OmegaConf
 
-    from rlcli.data.stream import DocumentStream
-    from rlcli.models import build_policy
-    from rlcli.modules.scorer import TokenScorer
+    from rlcli.data.document_stream import DocumentStream
+    from rlcli.model.policy import build_policy
+    from rlcli.model.scorer import TokenScorer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

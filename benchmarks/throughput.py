@@ -2,7 +2,7 @@
 
 Both loops train on the same synthetic rollouts (prompt 16 tokens, completion lengths spread
 uniformly over ``--min-completion``..``--max-completion``, so ≥ 4× apart by default), with the same
-tiny Llama-style model built by `rlcli.models.build_policy` and the same GRPO token-mean loss:
+tiny Llama-style model built by `rlcli.model.policy.build_policy` and the same GRPO token-mean loss:
 
 * **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, and
   `TokenScorer` with the fused head + GRPO loss (``--chunk-tokens``) and backward per row;
@@ -90,7 +90,7 @@ def _attention(args, device) -> str:
 def _model(args, device):
     from omegaconf import OmegaConf
 
-    from rlcli.models import build_policy
+    from rlcli.model.policy import build_policy
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
     cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
@@ -122,9 +122,9 @@ def _padded_batch(docs, device):
 
 
 def run(args) -> dict:
-    from rlcli.data.stream import pack_documents
+    from rlcli.data.document_stream import pack_documents
+    from rlcli.model.scorer import TokenScorer
     from rlcli.modules import Segments, StepTotals, fused_micro_batch_loss
-    from rlcli.modules.scorer import TokenScorer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 import logging
-import math
 from functools import partial
 from pathlib import Path
 
 import lightning as L
-import torch
 from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.console import RichConsole
 from rlcli.callbacks.preemption import StopOnSignal
+from rlcli.data.document_stream import DocumentStream
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
-from rlcli.data.stream import DocumentStream
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
-from rlcli.models import build_policy
-from rlcli.modules.policy_module import LossSettings, PolicyModule
+from rlcli.model.policy import build_policy
 from rlcli.rollout.advantages import apply_advantage_estimator
 from rlcli.rollout.onpolicy import OnPolicyRollouts
-from rlcli.sources import OnPolicySource, RolloutFileSource
-from rlcli.strategies import build_strategy
+from rlcli.training.module import LossSettings, PolicyModule
+from rlcli.training.optim import build_optimizer
+from rlcli.training.sources import OnPolicySource, RolloutFileSource
+from rlcli.training.strategy import build_strategy
 
 log = logging.getLogger("rlcli")
 
@@ -42,32 +41,6 @@ def loss_settings(cfg: DictConfig) -> LossSettings:
         fp32_lm_head=cfg.loss.fp32_lm_head,
         chunk_tokens=cfg.loss.chunk_tokens,
     )
-
-
-def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Linear warmup to the base rate, then constant or cosine decay to ``min_lr_ratio``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(cfg: DictConfig, total_steps: int, policy: torch.nn.Module):
-    """``(optimizer, LambdaLR scheduler)`` from the ``optimizer`` group."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    if cfg.name == "adamw":
-        optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    else:
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    multiplier = partial(
-        lr_multiplier, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-        schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def build_rollouts(cfg: DictConfig, vocab_size: int, run_dir: Path) -> list[Rollout]:

@@ -38,7 +38,7 @@ def _log_through_root_once() -> None:
 
 def export_policy(module, trainer, export_dir: Path, model_cfg: DictConfig) -> None:
     """Write the trained policy in Hugging Face format (safetensors), gathered from every shard."""
-    from rlcli.models import save_tokenizer_if_any
+    from rlcli.model.policy import save_tokenizer_if_any
 
     prefix = "scorer.policy."
     full = trainer.strategy.lightning_module_state_dict()  # a collective for sharded strategies

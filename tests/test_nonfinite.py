@@ -11,7 +11,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from rlcli.modules.policy_module import NAN_LOSS_AT
+from rlcli.training.module import NAN_LOSS_AT
 
 
 def run(args, cwd, **env):

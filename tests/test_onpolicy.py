@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlcli.data.readers import load_rollouts
-from rlcli.modules.policy_module import warn_if_off_policy
 from rlcli.train import train
+from rlcli.training.module import warn_if_off_policy
 from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
 
 

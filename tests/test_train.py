@@ -60,7 +60,7 @@ def compose_initial_policy() -> dict:
     """The tiny policy exactly as `rlcli train` builds it before training (seed 0)."""
     import lightning as L
 
-    from rlcli.models import build_policy
+    from rlcli.model.policy import build_policy
 
     L.seed_everything(0, verbose=False)
     return build_policy(compose_train_config().model).state_dict()
@@ -152,8 +152,8 @@ def test_one_step_of_many_micro_batches_equals_one_big_micro_batch(tmp_path, sma
 def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
     from rlcli.data.packing import make_micro_batch
     from rlcli.data.readers import load_rollouts
-    from rlcli.models import build_policy
-    from rlcli.modules.scorer import TokenScorer
+    from rlcli.model.policy import build_policy
+    from rlcli.model.scorer import TokenScorer
     from rlcli.rollout.advantages import apply_advantage_estimator
 
     torch.manual_seed(0)

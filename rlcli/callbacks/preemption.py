@@ -9,8 +9,8 @@ import signal
 import lightning as L
 import torch
 
-from rlcli import distributed
 from rlcli.callbacks.checkpoint import StepCheckpoint
+from rlcli.training import distributed
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect of a job that was asked to stop
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -8,10 +8,7 @@ so a resumed run regenerates exactly what it would have, given the same model we
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +17,7 @@ from rlcli.data.schema import Rollout, validate_record
 from rlcli.rollout.advantages import group_advantages
 from rlcli.rollout.sampler import check_sampling_options, sample_completions
 
-__all__ = ["OnPolicyRollouts", "save_jsonl", "step_seed"]
+__all__ = ["OnPolicyRollouts", "step_seed"]
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -125,22 +122,3 @@ class OnPolicyRollouts:
             "stopped_fraction": sum(c.stopped for c in completions) / n,
         }
         return rollouts, stats
-
-
-def save_jsonl(rollouts: Sequence[Rollout], path: str | Path) -> None:
-    """Append ``rollouts`` to ``path`` as SPEC §7 JSON Lines records (readable by `load_rollouts`)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as handle:
-        for r in rollouts:
-            record = {
-                "prompt_ids": list(r.prompt_ids),
-                "completion_ids": list(r.completion_ids),
-                "old_logprobs": list(r.old_logprobs),
-                "advantages": None if r.advantages is None else list(r.advantages),
-                "reward": r.reward,
-                "group_id": r.group_id,
-                "completion_mask": list(r.completion_mask),
-                "temperature": r.temperature,
-            }
-            handle.write(json.dumps({k: v for k, v in record.items() if v is not None}) + "\n")

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
+from rlcli.data.document_stream import pack_documents
 from rlcli.data.errors import DataError
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.schema import Rollout
-from rlcli.data.stream import pack_documents
 
 
 def doc(prompt, completion, old=None, adv=None, mask=None, group_id=None, index=0):

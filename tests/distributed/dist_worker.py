@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-import rlcli.sources as sources
-from rlcli import distributed
-from rlcli.step import collect_step
+import rlcli.training.sources as sources
 from rlcli.train import train
+from rlcli.training import distributed
+from rlcli.training.step import collect_step
 from train_helpers import compose_train_config
 
 

@@ -13,9 +13,9 @@ from launch import run_ranks
 
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
-from rlcli.models import build_policy
+from rlcli.model.policy import build_policy
+from rlcli.model.scorer import TokenScorer
 from rlcli.modules import policy_loss
-from rlcli.modules.scorer import TokenScorer
 from rlcli.rollout.advantages import apply_advantage_estimator
 from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
 

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from rl_reference import F64, make_step, ref_head, ref_loss, rel_err
 
-from rlcli.models import build_policy
+from rlcli.model.policy import build_policy
 from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from rlcli.models import tiny_model_config
+from rlcli.model.policy import tiny_model_config
 
 
 def build_tiny_model(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):

@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 
 from rlcli.data.readers import load_rollouts
+from rlcli.data.writers import append_jsonl
 from rlcli.rollout.advantages import group_advantages
-from rlcli.rollout.onpolicy import OnPolicyRollouts, save_jsonl
+from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.tasks import Prompt, ReverseTask
 
 
@@ -95,14 +96,14 @@ def test_indices_are_unique_across_steps_and_ranks(task, model):
     assert sorted(indices) == list(range(2 * 3 * 4))
 
 
-def test_save_jsonl_round_trips_through_load_rollouts(task, model, tmp_path):
+def test_append_jsonl_round_trips_through_load_rollouts(task, model, tmp_path):
     rollouts = make_rollouts(task, temperature=0.9)
     docs = rollouts.generate(model, step=0)[0] + rollouts.generate(model, step=1)[0]
     masked = (0,) + (1,) * (len(docs[0].completion_ids) - 1)
     docs[0] = dataclasses.replace(docs[0], completion_mask=masked)  # e.g. a tool-output token
     path = tmp_path / "runs" / "rollouts.jsonl"
-    save_jsonl(docs[:12], path)
-    save_jsonl(docs[12:], path)  # appends
+    append_jsonl(docs[:12], path)
+    append_jsonl(docs[12:], path)  # appends
     loaded, rejected = load_rollouts([path], vocab_size=task.tokenizer.vocab_size)
     assert not rejected and len(loaded) == len(docs)
     fields = (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlcli.callbacks.metrics_csv import MetricsCSVLogger
+from rlcli.loggers.metrics_csv import MetricsCSVLogger
 
 
 def wandb_mode(configured: str | None) -> str:

@@ -16,14 +16,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlcli import distributed
-from rlcli.callbacks.metrics_csv import MetricsCSVLogger
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
+from rlcli.loggers.metrics_csv import MetricsCSVLogger
+from rlcli.model.scorer import TokenScorer
 from rlcli.modules.fused_head import fused_micro_batch_loss
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
-from rlcli.modules.scorer import TokenScorer
-from rlcli.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
+from rlcli.training import distributed
+from rlcli.training.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
 TENSOR_FIELDS = ("input_ids", "position_ids", "labels", "old_logprobs", "advantages", "mask", "document_index")
 
@@ -70,9 +70,9 @@ class TrainingDiverged(UserError):
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
-    ``make_source(rank, world_size)`` builds this rank's source of steps (`rlcli.sources`); the
+    ``make_source(rank, world_size)`` builds this rank's source of steps (`rlcli.training.sources`); the
     dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` returns the
-    scorer sharded for FSDP1 or FSDP2 (`rlcli.strategies`).
+    scorer sharded for FSDP1 or FSDP2 (`rlcli.training.strategy`).
     """
 
     def __init__(

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcli import distributed
+from rlcli.data.document_stream import DocumentStream
 from rlcli.data.packing import MicroBatch, make_micro_batch
-from rlcli.data.stream import DocumentStream
 from rlcli.modules.aggregation import StepTotals
 from rlcli.modules.metrics import MetricPartials
 from rlcli.modules.segments import Segments
+from rlcli.training import distributed
 
 
 @dataclass

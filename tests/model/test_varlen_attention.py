@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlcli.models import build_policy
-from rlcli.modules.varlen_attention import document_starts, packed_row_kwargs
+from rlcli.model.policy import build_policy
+from rlcli.model.varlen_attention import document_starts, packed_row_kwargs
 
 LENGTHS = [5, 1, 9, 3]  # documents of one packed row
 
@@ -92,8 +92,8 @@ def test_padded_and_cached_calls_take_the_sdpa_path():
 
 
 def test_the_scorer_finds_the_documents_once_per_row(monkeypatch):
-    from rlcli.modules import varlen_attention
-    from rlcli.modules.scorer import TokenScorer
+    from rlcli.model import varlen_attention
+    from rlcli.model.scorer import TokenScorer
 
     ids, positions = _packed_row()
     labels = torch.roll(ids[0], -1)

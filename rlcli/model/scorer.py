@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcli.modules import varlen_attention
+from rlcli.model import varlen_attention
 from rlcli.modules.lm_head import token_logprobs
 
 

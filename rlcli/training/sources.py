@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from rlcli.data.stream import DocumentStream, pack_documents
-from rlcli.rollout.onpolicy import OnPolicyRollouts, save_jsonl
-from rlcli.step import CollectedStep, collect_step
+from rlcli.data.document_stream import DocumentStream, pack_documents
+from rlcli.data.writers import append_jsonl
+from rlcli.rollout.onpolicy import OnPolicyRollouts
+from rlcli.training.step import CollectedStep, collect_step
 
 
 class RolloutFileSource:
@@ -44,7 +45,7 @@ class OnPolicySource:
     def next_step(self, policy: torch.nn.Module, step: int, device: torch.device) -> CollectedStep:
         documents, stats = self.rollouts.generate(policy, step)
         if self.save_to is not None:
-            save_jsonl(documents, self.save_to)
+            append_jsonl(documents, self.save_to)
         return CollectedStep(list(pack_documents(documents, self.max_tokens)), stats=stats)
 
     def state_dict(self) -> dict:

@@ -8,7 +8,7 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.errors import UserError
-from rlcli.modules import varlen_attention
+from rlcli.model import varlen_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,1 @@
+"""Training: the LightningModule, the step plan, collectives, step sources, optimizer, strategy."""
