@@ -36,7 +36,7 @@ def _log_through_root_once() -> None:
                 logging.getLogger(name).removeHandler(handler)
 
 
-def export_policy(module, trainer, export_dir: Path, model_cfg: DictConfig) -> None:
+def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
     """Write the trained policy in Hugging Face format (safetensors), gathered from every shard."""
     from rlcli.model.policy import save_tokenizer_if_any
 
@@ -59,16 +59,16 @@ def train(cfg: DictConfig, run_dir: Path):
 
     from rlcli.build import build_training
     from rlcli.callbacks.checkpoint import find_resume_checkpoint
-    from rlcli.conf.validate import validate_config
+    from rlcli.conf.validate import resolve_config, validate_config
     from rlcli.loggers import finish_loggers
 
-    cfg = validate_config(cfg)
+    resolved, cfg = resolve_config(cfg), validate_config(cfg)
     _log_through_root_once()
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank_zero_only.rank == 0:
-        OmegaConf.save(cfg, run_dir / "config.yaml")
+        OmegaConf.save(resolved, run_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, trainer = build_training(cfg, run_dir)
+    module, trainer = build_training(cfg, resolved, run_dir)
     checkpoint = find_resume_checkpoint(cfg.resume, run_dir)
     if checkpoint is not None and trainer.is_global_zero:
         log.info("resuming from %s", checkpoint)

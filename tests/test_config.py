@@ -27,15 +27,17 @@ def test_every_group_option_composes_and_validates(overrides):
     if group == "experiment":
         assert (cfg.loss.name, cfg.aggregation.name, cfg.aggregation.divisor) == ("gspo", "constant", 1)
     elif group == "task":
-        assert cfg.task._target_ == {"addition": "rlcli.rollout.tasks.AdditionTask",
+        assert cfg.task["_target_"] == {"addition": "rlcli.rollout.tasks.AdditionTask",
                                      "reverse": "rlcli.rollout.tasks.ReverseTask"}[option]
     elif group == "launcher":
         assert cfg.resume == ("auto" if option == "slurm" else None)  # the launcher itself lives in hydra.*
     elif group == "logger":
-        assert set(cfg.logger) == set(option.strip("[]").split(",")) - {"csv", "none"}
+        on = {name for name in ("wandb", "tensorboard") if getattr(cfg.logger, name) is not None}
+        assert on == set(option.strip("[]").split(",")) - {"csv", "none"}
     else:
-        node = cfg[group]
-        assert option in (node.get("name"), node.get("level"), node.get("kind")) or group == "trainer"
+        node = getattr(cfg, group)
+        assert option in (getattr(node, "name", None), getattr(node, "level", None), getattr(node, "kind", None)) \
+            or group == "trainer"
 
 
 def problems_of(overrides: list[str]) -> list[str]:
@@ -96,10 +98,10 @@ def test_all_problems_are_reported_together():
 
 def test_valid_default_config_has_no_problem():
     cfg = validate_config(compose_train_config())
-    assert cfg.loss.name == "grpo" and cfg.data.kind == "generate" and cfg.task._target_.endswith("ReverseTask")
+    assert cfg.loss.name == "grpo" and cfg.data.kind == "generate" and cfg.task["_target_"].endswith("ReverseTask")
     assert cfg.optimizer.lr == cfg.model.suggested_lr == 2e-3
     rollouts = validate_config(compose_train_config(["data=rollouts"]))
-    assert rollouts.data.paths[0].endswith("toy_rollouts.jsonl") and "rollout" not in rollouts
+    assert rollouts.data.paths[0].endswith("toy_rollouts.jsonl") and rollouts.rollout is None
 
 
 @pytest.mark.parametrize(
@@ -136,3 +138,46 @@ def test_cli_help_lists_the_groups(tmp_path):
 def test_cli_unknown_command_exits_2(tmp_path):
     result = run_rlcli(["fly"], cwd=tmp_path)
     assert result.returncode == 2 and "unknown command 'fly'" in result.stderr
+
+
+def test_the_sampler_temperature_follows_the_loss_temperature():
+    cfg = validate_config(compose_train_config(["loss.temperature=0.7"]))
+    assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
+
+
+def test_a_sampler_temperature_apart_from_the_loss_temperature_names_both_keys():
+    problems = problems_of(["rollout.temperature=0.7"])
+    assert any(p.startswith("rollout.temperature: 0.7 differs from loss.temperature=1.0") for p in problems), problems
+
+
+def test_the_loss_group_becomes_its_registered_loss_object():
+    cfg = validate_config(compose_train_config(["loss=gspo", "loss.eps_low=0.1", "loss.eps_high=0.3"]))
+    assert type(cfg.loss.objective).__name__ == "GSPO" and cfg.loss.objective.name == "gspo"
+    assert (cfg.loss.objective.eps_low, cfg.loss.objective.eps_high) == (0.1, 0.3)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["loss.name=grp0"], "loss.name: must be one of ['grpo', 'gspo'"),
+        (["+loss.tau=1"], "loss.tau: unknown key"),
+        (["+loss._target_=my_losses.Mine"], "loss._target_: 'my_losses.Mine' is outside the allowed modules"),
+        (["+loss._target_=rlcli.modules.Segments"], "loss._target_: 'rlcli.modules.Segments' is not a subclass"),
+        (["callbacks=[{_target_: my_callbacks.Notify}]"], "callbacks[0]._target_: 'my_callbacks.Notify' is outside"),
+    ],
+)
+def test_loss_names_options_and_targets_are_checked(overrides, expected):
+    problems = problems_of(overrides)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_the_shipped_loss_files_hold_the_defaults_of_their_loss_classes():
+    """The library's defaults of each loss option (its class) and the config's (its YAML) agree."""
+    import dataclasses
+
+    from rlcli.modules import LOSSES
+
+    for name, cls in LOSSES.items():
+        node = compose_train_config([f"loss={name}"]).loss
+        for field in dataclasses.fields(cls):
+            assert node[field.name] == field.default, (name, field.name)

@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file
-
-from rlcli.training.module import NAN_LOSS_AT
 
 
 def run(args, cwd, **env):
@@ -23,8 +22,8 @@ def run(args, cwd, **env):
 def test_nan_on_one_of_two_ranks_skips_the_update_everywhere(tmp_path):
     common = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp", "trainer.accumulate_microbatches=1"]
     # the run with the fault at step 2 makes no update there, so its step-2 checkpoint equals step 1's
-    result = run([*common, "trainer.max_steps=3", "hydra.run.dir=faulty", "trainer.checkpoint_every=1"], tmp_path,
-                 **{NAN_LOSS_AT: "2:1"})
+    result = run([*common, "trainer.max_steps=3", "hydra.run.dir=faulty", "trainer.checkpoint_every=1",
+                  *callbacks_override("NanLossAt", step=2, rank=1)], tmp_path, **FAULTS_ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     with (tmp_path / "faulty" / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -45,7 +44,8 @@ def test_nan_on_one_of_two_ranks_skips_the_update_everywhere(tmp_path):
 
 @pytest.mark.slow
 def test_consecutive_bad_steps_stop_the_run(tmp_path):
-    result = run(["trainer.max_steps=5", "trainer.max_bad_steps=1"], tmp_path, **{NAN_LOSS_AT: "2:0"})
+    result = run(["trainer.max_steps=5", "trainer.max_bad_steps=1", *callbacks_override("NanLossAt", step=2, rank=0)],
+                 tmp_path, **FAULTS_ENV)
     assert result.returncode == 2
     assert "training stopped at step 2: 1 steps in a row with a non-finite loss or gradient" in result.stderr
     assert "Traceback" not in result.stderr

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file
 
-from rlcli.callbacks.checkpoint import KILL_DURING_SAVE, find_resume_checkpoint
+from rlcli.callbacks.checkpoint import find_resume_checkpoint
 from rlcli.errors import UserError
 
 STEPS = 6
@@ -51,7 +52,8 @@ def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, pr
     straight = run_cli([*common, "hydra.run.dir=straight"], tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
-    killed = run_cli([*common, "hydra.run.dir=killed"], tmp_path, **{KILL_DURING_SAVE: "3"})
+    killed = run_cli([*common, "hydra.run.dir=killed", *callbacks_override("KillDuringSave", step=3)], tmp_path,
+                     **FAULTS_ENV)
     assert killed.returncode != 0
     saved = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
     assert saved == ["step-1.ckpt", "step-2.ckpt", "step-3.ckpt.tmp"]  # the half-written one stays aside

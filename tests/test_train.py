@@ -157,10 +157,11 @@ def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
     from rlcli.rollout.advantages import apply_advantage_estimator
 
     torch.manual_seed(0)
-    policy = build_policy(compose_train_config(["data=rollouts"]).model)
+    cfg = compose_train_config(["data=rollouts"])
+    policy = build_policy(cfg.model)
     scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
     documents, _ = load_rollouts([small_rollouts], vocab_size=64)
-    documents = apply_advantage_estimator(documents, "grpo")[:6]
+    documents = apply_advantage_estimator(documents, "grpo", eps=cfg.advantage.eps)[:6]
 
     def logprobs_of(batch):
         with torch.no_grad():

@@ -16,16 +16,12 @@ import lightning as L
 from rlcli.errors import UserError
 
 STEP_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")
-# Fault injection for the tests: the process exits in the middle of saving the checkpoint of this step.
-KILL_DURING_SAVE = "RLCLI_TEST_KILL_DURING_SAVE"
 
 
 def save_atomically(trainer: L.Trainer, path: Path) -> None:
     """Write a checkpoint to ``path`` so that it either exists complete or not at all."""
     partial = path.with_name(path.name + ".tmp")
     trainer.save_checkpoint(partial)  # every rank takes part; rank 0 writes
-    if os.environ.get(KILL_DURING_SAVE) == str(trainer.lightning_module.steps_done):
-        os._exit(137)
     if trainer.is_global_zero:
         os.replace(partial, path)
 

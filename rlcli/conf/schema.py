@@ -1,13 +1,18 @@
 """The typed schema of `rlcli train`'s config: one dataclass per config group option.
 
-`rlcli.conf.validate` checks a composed config against these classes and reports every problem at
-once. Bounds live in each field's metadata: ``ge``/``gt``/``le``/``lt``.
+`rlcli.conf.validate` checks a composed config against these classes, reports every problem at
+once, and hands `rlcli.build` instances of them. Bounds live in each field's metadata:
+``ge``/``gt``/``le``/``lt``. Defaults live in the YAML files only; closed sets come from the
+registries of the code that uses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
+
+from rlcli.modules import AGGREGATIONS, METRIC_LEVELS, PolicyLoss
+from rlcli.rollout.advantages import ESTIMATORS
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
@@ -19,25 +24,32 @@ def bounded(**bounds) -> dict:
     return field(metadata=bounds)
 
 
+def built() -> dict:
+    """Metadata of a field that is no config key: the validator builds it from the group's other keys."""
+    return field(metadata={"built": True})
+
+
 @dataclass
 class LossConfig:
-    name: Literal["grpo", "gspo"]
-    eps_low: float = bounded(ge=0, lt=1)
-    eps_high: float = bounded(ge=0)
+    """The `loss` group: a registered loss ``name`` (or a `PolicyLoss` class by ``_target_``) and
+    its own options, which the validator checks against that class, and how the head scores."""
+
+    name: str
     temperature: float = bounded(gt=0)
     fp32_lm_head: bool
     chunk_tokens: Union[int, Literal["auto"]] = bounded(ge=0)
+    objective: PolicyLoss = built()  # the loss object, with the group's remaining keys as options
 
 
 @dataclass
 class AggregationConfig:
-    name: Literal["token_mean", "sample_mean", "prompt_mean", "constant"]
+    name: Literal[AGGREGATIONS]
     divisor: Optional[float] = bounded(gt=0)
 
 
 @dataclass
 class MetricsConfig:
-    level: Literal["none", "basic", "with_entropy"]
+    level: Literal[METRIC_LEVELS]
 
 
 @dataclass
@@ -96,7 +108,7 @@ class RolloutConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: Literal["none", "grpo", "dr_grpo"]
+    estimator: Literal[ESTIMATORS]
     eps: float = bounded(gt=0)
 
 
@@ -194,6 +206,7 @@ class TrainConfig:
     seed: int = bounded(ge=0)
     resume: Optional[str]
     allow_targets: list[str]
+    callbacks: list[Any]  # extra Lightning callbacks, each a `_target_` and its arguments
     loss: LossConfig
     aggregation: AggregationConfig
     metrics: MetricsConfig

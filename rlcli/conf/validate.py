@@ -8,10 +8,13 @@ import math
 import typing
 from typing import Any, Literal, Union
 
+import hydra.utils
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from rlcli.conf.schema import TrainConfig
+from rlcli.conf.schema import LossConfig, TrainConfig
 from rlcli.errors import UserError
+from rlcli.modules import LOSSES, PolicyLoss, make_loss, register_loss
+from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
 
 
 class ConfigError(UserError):
@@ -119,22 +122,108 @@ def _check_value(value, annotation, path, problems, meta=None) -> None:
         _check_bounds(value, meta, path, problems)
 
 
-def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> None:
+def _schema_fields(cls) -> dict[str, tuple[Any, dict]]:
+    """``{key: (annotation, metadata)}`` of the config keys of a schema dataclass (built fields left out)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    return {f.name: (hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls) if not f.metadata.get("built")}
+
+
+def _check_fields(node: DictConfig, fields: dict, path: str, problems: list[str], *,
+                  optional=(), others: frozenset = frozenset()) -> None:
+    """Check ``node``'s keys against ``fields`` (`_schema_fields`): keys in ``optional`` may be left
+    out, keys in ``others`` are checked elsewhere, any other key is unknown."""
     prefix = f"{path}." if path else ""
     for key in node.keys():
-        if key not in fields:
-            problems.append(f"{prefix}{key}: unknown key (valid keys: {', '.join(fields)})")
-    for name, f in fields.items():
+        if key not in fields and key not in others:
+            problems.append(f"{prefix}{key}: unknown key (valid keys: {', '.join([*fields, *others])})")
+    for name, (hint, meta) in fields.items():
         key_path = f"{prefix}{name}"
         if name not in node.keys():
-            if type(None) not in typing.get_args(hints[name]):  # an Optional field may be left out
+            if type(None) not in typing.get_args(hint) and name not in optional:  # Optional may be left out
                 problems.append(f"{key_path}: missing")
         elif OmegaConf.is_missing(node, name):
             problems.append(f"{key_path}: is required (set {key_path}=...)")
         else:
-            _check_value(node[name], hints[name], key_path, problems, dict(f.metadata))
+            _check_value(node[name], hint, key_path, problems, meta)
+
+
+def _check_dataclass(node: DictConfig, cls, path: str, problems: list[str]) -> None:
+    if cls is LossConfig:  # the loss's own options: `_check_loss_options`
+        _check_fields(node, _schema_fields(cls), path, problems, others=frozenset(node.keys()))
+    else:
+        _check_fields(node, _schema_fields(cls), path, problems)
+
+
+def _loss_class(node: DictConfig, allowed: tuple[str, ...], problems: list[str]):
+    """The `PolicyLoss` class the ``loss`` group names: a registered ``name``, or a trusted
+    ``_target_`` class (registered on the way, so every entry point finds it by name); None after
+    reporting why not."""
+    target = node.get("_target_")
+    if target is None:
+        name = node.get("name")
+        if name not in LOSSES:
+            problems.append(f"loss.name: must be one of {list(LOSSES)}, got {name!r}")
+            return None
+        return LOSSES[name]
+    if not _trusted(str(target), allowed):
+        return None  # reported by _check_targets
+    try:
+        cls = hydra.utils.get_class(str(target))
+    except Exception as err:  # an unimportable target is the user's to fix
+        problems.append(f"loss._target_: cannot import {target!r}: {err}")
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, PolicyLoss)):
+        problems.append(f"loss._target_: {target!r} is not a subclass of rlcli.modules.PolicyLoss")
+        return None
+    register_loss(cls)
+    if node.get("name") != cls.name:
+        problems.append(f"loss.name: must be {cls.name!r}, the name {target} registers, got {node.get('name')!r}")
+    return cls
+
+
+def _check_loss_options(cfg: DictConfig, problems: list[str]) -> None:
+    """The keys of the ``loss`` group beyond `LossConfig`'s: the options of the loss class it names."""
+    node = cfg.get("loss")
+    if not isinstance(node, DictConfig):
+        return  # reported by the schema check
+    cls = _loss_class(node, _trusted_modules(cfg), problems)
+    if cls is None:
+        return
+    options = _schema_fields(cls)
+    shared = frozenset([*_schema_fields(LossConfig), "_target_"])
+    _check_fields(node, options, "loss", problems, optional=tuple(options), others=shared)
+
+
+def _typed(node, annotation):
+    """The validated ``node`` as an instance of ``annotation`` (dataclasses, lists and plain values)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if node is None:
+        return None
+    if origin is Union:
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:
+            return _typed(node, members[0])
+        if not all(dataclasses.is_dataclass(m) for m in members):
+            return node  # a plain value, e.g. Union[int, Literal["auto"]]
+        key, _ = _discriminator(members[0])
+        annotation = next(m for m in members if node.get(key) in _discriminator(m)[1])
+    if origin is list:
+        return [_typed(item, args[0]) for item in node]
+    if annotation is LossConfig:
+        return _typed_loss(node)
+    if dataclasses.is_dataclass(annotation):
+        return annotation(**{
+            name: _typed(node.get(name), hint) for name, (hint, _) in _schema_fields(annotation).items()
+        })
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def _typed_loss(node: DictConfig) -> LossConfig:
+    shared = {name: _typed(node[name], hint) for name, (hint, _) in _schema_fields(LossConfig).items()}
+    options = {k: node[k] for k in node.keys() if k not in shared and k != "_target_"}
+    return LossConfig(**shared, objective=make_loss(node.name, **options))
 
 
 TRUSTED_TARGET_MODULES = ("rlcli", "torch", "transformers")
@@ -151,14 +240,26 @@ def _target_paths(node, path: str = ""):
                 yield child, node[key]
             else:
                 yield from _target_paths(node[key], child)
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            yield from _target_paths(item, f"{path}[{i}]")
+
+
+def _trusted_modules(cfg: DictConfig) -> tuple[str, ...]:
+    allowed = cfg.get("allow_targets")
+    return TRUSTED_TARGET_MODULES + (tuple(allowed) if isinstance(allowed, ListConfig) else ())
+
+
+def _trusted(target: str, modules: tuple[str, ...]) -> bool:
+    return any(target == m or target.startswith(m + ".") for m in modules)
 
 
 def _check_targets(cfg: DictConfig, problems: list[str]) -> None:
     """``_target_`` builds any importable object: only rlcli, torch and transformers ones unless
     the user names more modules in ``allow_targets``."""
-    allowed = TRUSTED_TARGET_MODULES + tuple(cfg.get("allow_targets") or ())
+    allowed = _trusted_modules(cfg)
     for path, target in _target_paths(cfg):
-        if not any(str(target) == m or str(target).startswith(m + ".") for m in allowed):
+        if not _trusted(str(target), allowed):
             problems.append(
                 f"{path}: {target!r} is outside the allowed modules ({', '.join(allowed)}); "
                 f"to trust it, add allow_targets=[{str(target).split('.')[0]}]"
@@ -166,7 +267,7 @@ def _check_targets(cfg: DictConfig, problems: list[str]) -> None:
 
 
 def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
-    """Combinations of fields that the schema alone cannot express (SPEC §4)."""
+    """Combinations of fields that the schema alone cannot express (SPEC §4), and the data kind's own."""
     strategy, trainer = cfg.get("strategy"), cfg.get("trainer")
     if isinstance(strategy, DictConfig) and strategy.get("name") == "fsdp" and isinstance(trainer, DictConfig):
         import torch
@@ -174,20 +275,13 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
         if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
             problems.append("strategy: fsdp needs GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)")
     data = cfg.get("data")
-    if isinstance(data, DictConfig) and data.get("kind") == "generate":
-        for key in ("rollout", "task"):
-            if cfg.get(key) is None:
-                problems.append(f"{key}: required by data=generate")
-        if isinstance(trainer, DictConfig) and trainer.get("docs_per_step"):
-            problems.append("trainer.docs_per_step: with data=generate a step is the rollouts it sampled "
-                            "(rollout.prompts_per_step x rollout.group_size per process); use it with data=rollouts")
-        advantage = cfg.get("advantage")
-        if isinstance(advantage, DictConfig) and advantage.get("estimator") == "none":
-            problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")
-        if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
-            problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
-    elif cfg.get("rollout") is not None or cfg.get("task") is not None:
-        problems.append("rollout/task: only used with data=generate")
+    kind = DATA_KINDS.get(data.get("kind")) if isinstance(data, DictConfig) else None
+    if kind is not None:
+        kind.check_config(cfg, problems)
+    for group in GROUPS_OF_DATA_KINDS:
+        if cfg.get(group) is not None and (kind is None or group not in kind.groups):
+            users = [name for name, k in DATA_KINDS.items() if group in k.groups]
+            problems.append(f"{group}: only used with data={'|'.join(users)}")
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check
@@ -201,9 +295,8 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"aggregation.divisor: only valid with aggregation=constant, not {name!r}")
 
 
-def validate_config(cfg: DictConfig) -> DictConfig:
-    """Return a resolved copy of a composed ``rlcli train`` config, or raise ``ConfigError``
-    listing every problem at once."""
+def resolve_config(cfg: DictConfig) -> DictConfig:
+    """A copy of a composed ``rlcli train`` config without Hydra's own node, interpolations resolved."""
     node = copy.deepcopy(cfg)
     if "hydra" in node:
         with open_dict(node):
@@ -212,10 +305,17 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         OmegaConf.resolve(node)
     except Exception as err:  # a broken interpolation is a user error too
         raise ConfigError([f"cannot resolve the config: {err}"]) from None
+    return node
+
+
+def validate_config(cfg: DictConfig) -> TrainConfig:
+    """The typed form of a composed ``rlcli train`` config, or ``ConfigError`` listing every problem."""
+    node = resolve_config(cfg)
     problems: list[str] = []
     _check_dataclass(node, TrainConfig, "", problems)
+    _check_loss_options(node, problems)
     _check_rules(node, problems)
     _check_targets(node, problems)
     if problems:
         raise ConfigError(problems)
-    return node
+    return _typed(node, TrainConfig)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlcli.conf.schema import LoggerConfig
 from rlcli.loggers.metrics_csv import MetricsCSVLogger
 
 
@@ -44,22 +45,23 @@ def _hydra_run_names(run_dir: Path) -> tuple[str, str | None]:
     return run_dir.name, None
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
+def build_loggers(cfg: LoggerConfig, resolved: DictConfig, run_dir: Path) -> list:
+    """``metrics.csv`` and the loggers ``cfg`` turns on; wandb records the whole ``resolved`` config."""
     loggers = [MetricsCSVLogger(run_dir / "metrics.csv")]
-    if cfg.logger.get("wandb") is not None:
+    if cfg.wandb is not None:
         from lightning.pytorch.loggers import WandbLogger
 
-        w = cfg.logger.wandb
+        w = cfg.wandb
         name, group = _hydra_run_names(run_dir)
         loggers.append(WandbLogger(
             project=w.project, entity=w.entity, name=w.name or name, group=w.group or group,
             tags=list(w.tags), notes=w.notes, mode=wandb_mode(w.mode), save_dir=str(run_dir),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=OmegaConf.to_container(resolved, resolve=True),
         ))
-    if cfg.logger.get("tensorboard") is not None:
+    if cfg.tensorboard is not None:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name=cfg.logger.tensorboard.subdir, version=""))
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name=cfg.tensorboard.subdir, version=""))
     return loggers
 
 

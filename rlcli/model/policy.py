@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
+from rlcli.conf.schema import HFModelConfig, TinyModelConfig
 from rlcli.errors import UserError
 from rlcli.model import varlen_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_model_config(cfg: DictConfig, default_vocab_size: int = 64):
+def tiny_model_config(cfg: TinyModelConfig, default_vocab_size: int = 64):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -29,7 +29,7 @@ def tiny_model_config(cfg: DictConfig, default_vocab_size: int = 64):
     )
 
 
-def build_policy(cfg: DictConfig, default_vocab_size: int = 64) -> torch.nn.Module:
+def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int = 64) -> torch.nn.Module:
     """The causal LM described by ``cfg.model`` (seed the RNG first for a reproducible tiny model);
     a tiny model with ``vocab_size: null`` gets ``default_vocab_size`` ids."""
     from transformers import AutoModelForCausalLM
@@ -60,7 +60,7 @@ def build_policy(cfg: DictConfig, default_vocab_size: int = 64) -> torch.nn.Modu
     return model
 
 
-def save_tokenizer_if_any(cfg: DictConfig, out_dir: Path) -> bool:
+def save_tokenizer_if_any(cfg: TinyModelConfig | HFModelConfig, out_dir: Path) -> bool:
     """Copy the checkpoint's tokenizer files next to an export; False if it has none."""
     if cfg.kind != "hf":
         return False

@@ -6,26 +6,32 @@ Nothing here knows about Lightning or torch.distributed.
 from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
 from rlcli.modules.fused_head import fused_micro_batch_loss
 from rlcli.modules.lm_head import auto_chunk_tokens, token_logprobs
-from rlcli.modules.losses import LOSSES, per_token_loss
+from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, RatioUnits, make_loss, register_loss
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
 from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss, policy_loss
 from rlcli.modules.segments import Segments
 
 __all__ = [
     "AGGREGATIONS",
+    "GRPO",
+    "GSPO",
     "LOSSES",
     "METRIC_LEVELS",
+    "LossInputs",
     "MetricPartials",
+    "PolicyLoss",
+    "RatioUnits",
     "Segments",
     "StepTotals",
     "auto_chunk_tokens",
     "check_policy_loss_options",
     "finalize_metrics",
     "fused_micro_batch_loss",
+    "make_loss",
     "metric_partials",
     "micro_batch_loss",
-    "per_token_loss",
     "policy_loss",
+    "register_loss",
     "token_logprobs",
     "token_weights",
 ]

@@ -2,21 +2,22 @@
 
 `token_logprobs` followed by `micro_batch_loss` keeps the head's inputs until the backward and, when
 chunked, recomputes every chunk of logits there: 8·N·H·V floating-point operations. The policy loss
-reads a chunk's log-probs only through the chunk's own tokens (grpo) or its own documents (gspo),
-so ``g = dL/dlp`` of a chunk is known as soon as its logits are. `fused_micro_batch_loss` computes
-each chunk's logits once, gets ``g`` by autograd on the chunk's ``[C]`` log-probs, and turns the
-logits into the head's gradients at once (6·N·H·V, one ``[V, C]`` buffer):
+reads a chunk's log-probs only through the chunk's own tokens, or its own documents for a
+sequence-level loss (gspo; its chunks end at document boundaries), so ``g = dL/dlp`` of a chunk is
+known as soon as its logits are. `fused_micro_batch_loss` computes each chunk's logits once, gets
+``g`` by autograd on the chunk's ``[C]`` log-probs, and turns the logits into the head's gradients
+at once (6·N·H·V, one ``[V, C]`` buffer):
 
     s = g / T                              per token (0 where the label is ignored)
     grad_h = s * (W[y] - P.T @ W)          P = softmax(z) [V, C], in place of the logits
     grad_W = index_add(y, s * h) - P @ (s * h)
 
 Only labelled tokens (``mask > 0``) go through the head: the loss and the metrics never read the
-others. A gspo document with more labelled tokens than ``chunk_tokens`` does not fit one chunk: it
-is cut into pieces of ``chunk_tokens`` (the first takes the remainder), their log-probs are
-computed first, then the gradients, the last piece's from the buffer still held and the others'
-from recomputed logits: ``2·(length - chunk_tokens)·H·V`` more operations for the document. The
-backward only scales the stored gradients by the incoming scalar.
+others. A document of a sequence-level loss with more labelled tokens than ``chunk_tokens`` does
+not fit one chunk: it is cut into pieces of ``chunk_tokens`` (the first takes the remainder), their
+log-probs are computed first, then the gradients, the last piece's from the buffer still held and
+the others' from recomputed logits: ``2·(length - chunk_tokens)·H·V`` more operations for the
+document. The backward only scales the stored gradients by the incoming scalar.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ from rlcli.modules.lm_head import (
     labels_and_valid,
     resolve_chunk_tokens,
 )
-from rlcli.modules.losses import per_token_loss
+from rlcli.modules.losses import LossInputs, PolicyLoss
 from rlcli.modules.metrics import MetricPartials
-from rlcli.modules.policy_loss import micro_batch_loss
-from rlcli.modules.segments import Segments
+from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss
 
 # entropies are summed over blocks of vocabulary rows of at most this many elements (bounds the temporaries)
 ENTROPY_BLOCK_ELEMENTS = 1 << 22
@@ -185,15 +185,14 @@ def fused_micro_batch_loss(
     totals: StepTotals,
     group_index: torch.Tensor | None = None,
     *,
-    loss: str = "grpo",
+    loss: str | PolicyLoss = "grpo",
     aggregation: str = "token_mean",
     divisor: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
     metrics: str = "basic",
     temperature: float = 1.0,
     fp32: bool = False,
     chunk_tokens: int | str = 0,
+    **loss_options,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """``micro_batch_loss`` of ``token_logprobs(hidden, weight, labels, ...)``, in one pass over the head.
 
@@ -202,6 +201,8 @@ def fused_micro_batch_loss(
     (``chunk_tokens = 0``: all labelled tokens in one chunk; ``"auto"``: `auto_chunk_tokens`). The
     gradients are computed during the call, so the returned loss can be backpropagated once.
     """
+    loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
+                                     **loss_options)
     check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
     chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
     head_hidden, head_weight = head_operands(hidden, weight, fp32)
@@ -223,25 +224,24 @@ def fused_micro_batch_loss(
     # the labelled rows, each document's rows together: [M]
     rows = torch.nonzero(mask > 0).flatten()
     rows = rows[torch.argsort(document_index[rows], stable=True)]
-    weights = token_weights(mask, Segments.of(document_index), totals, aggregation=aggregation,
+    inputs = LossInputs(old_logprobs, advantages, mask, document_index, group_index)
+    weights = token_weights(mask, inputs.segments, totals, aggregation=aggregation,
                             divisor=divisor, group_index=group_index)  # [N]
 
     def loss_gradient(chunk_rows, chunk_logprobs):
-        """``[R] -> [R]`` ``dL/dlp`` of the rows (whole documents for gspo), by autograd."""
+        """``[R] -> [R]`` ``dL/dlp`` of the rows (whole documents for a sequence-level loss), by autograd."""
         leaf = chunk_logprobs.detach().requires_grad_(True)
         with torch.enable_grad():
-            losses, _ = per_token_loss(
-                leaf, old_logprobs[chunk_rows], advantages[chunk_rows], mask[chunk_rows],
-                Segments.of(document_index[chunk_rows]), loss=loss, eps_low=eps_low, eps_high=eps_high,
-            )  # [R]
+            losses, _ = loss.per_token(leaf, inputs.select(chunk_rows))  # [R]
             (grad,) = torch.autograd.grad((weights[chunk_rows] * losses).sum(), leaf)
         return grad / temperature
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start, end in _chunks(document_index[rows], chunk_tokens, whole_documents=loss == "gspo"):
+        for start, end in _chunks(document_index[rows], chunk_tokens, whole_documents=loss.sequence_level):
             chunk_rows = rows[start:end]
-            # one piece, unless a gspo document is longer than a chunk: then the log-probs of all
-            # its pieces come first, and only the last piece's buffer is still there for the gradients
+            # one piece, unless a document of a sequence-level loss is longer than a chunk: then the
+            # log-probs of all its pieces come first, and only the last piece's buffer is still there
+            # for the gradients
             pieces = _slices(end - start, chunk_tokens)
             for s, e in pieces:
                 piece = chunk_rows[s:e]
@@ -263,8 +263,7 @@ def fused_micro_batch_loss(
 
         value, partials = micro_batch_loss(
             logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
-            loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high,
-            metrics=metrics, entropy=entropy,
+            loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy,
         )
     if not (need_hidden or need_weight):
         return value, partials

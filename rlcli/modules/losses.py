@@ -1,25 +1,94 @@
-"""Per-token policy losses of SPEC §3: GRPO (token ratios) and GSPO (sequence ratios)."""
+"""Per-token policy losses of SPEC §3 as registered objects: GRPO (token ratios) and GSPO (sequence ratios).
+
+A loss is a frozen dataclass subclass of `PolicyLoss` whose fields are its options (bounds in the
+field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name with `register_loss`:
+
+    @register_loss
+    @dataclass(frozen=True)
+    class MyLoss(PolicyLoss):
+        name = "my_loss"
+        sequence_level = False
+        eps: float = field(default=0.1, metadata={"gt": 0})
+
+        def per_token(self, logprobs, inputs): ...
+
+Nothing else in `rlcli.modules` names a loss: the entry points take its name (or an instance).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import operator
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from numbers import Real
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from rlcli.modules.segments import Segments
 
-LOSSES = ("grpo", "gspo")
+if TYPE_CHECKING:
+    from rlcli.modules.metrics import MetricPartials
+
+# field metadata key -> (test, how a message spells it)
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
 
 
-def check_loss_options(loss: str, eps_low: float, eps_high: float) -> None:
-    """Raise ``ValueError`` naming the first invalid argument."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
-    if not (isinstance(eps_low, (int, float)) and 0 <= eps_low < 1):
-        raise ValueError(f"eps_low must be a number in [0, 1); got {eps_low!r}")
-    if not (isinstance(eps_high, (int, float)) and 0 <= eps_high < math.inf):
-        raise ValueError(f"eps_high must be a finite number >= 0; got {eps_high!r}")
+def _describe(bounds: dict[str, float]) -> str:
+    """``{"ge": 0, "lt": 1}`` -> ``"a number in [0, 1)"``; ``{"ge": 0}`` -> ``"a finite number >= 0"``."""
+    low = next((key for key in ("ge", "gt") if key in bounds), None)
+    high = next((key for key in ("le", "lt") if key in bounds), None)
+    if low and high:
+        return f"a number in {'[(' [low == 'gt']}{bounds[low]:g}, {bounds[high]:g}{'])'[high == 'lt']}"
+    return "a finite number " + " and ".join(f"{BOUNDS[key][1]} {bound:g}" for key, bound in bounds.items())
+
+
+def check_bounds(options) -> None:
+    """Raise ``ValueError`` naming the first field of the dataclass instance ``options`` that is not a
+    finite number within the bounds of its metadata. Fields without bounds are not checked."""
+    for f in fields(options):
+        bounds = {key: f.metadata[key] for key in BOUNDS if key in f.metadata}
+        value = getattr(options, f.name)
+        if bounds and not (
+            isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+            and all(BOUNDS[key][0](value, bound) for key, bound in bounds.items())
+        ):
+            raise ValueError(f"{f.name} must be {_describe(bounds)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The per-token inputs of a loss besides the new log-probs, all ``[N]`` over whole documents.
+
+    Later work adds fields (the reference and behaviour policies' log-probs); a loss reads only the
+    fields it needs. ``segments`` is computed once from ``document_index``.
+    """
+
+    old_logprobs: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N] 1 for labelled tokens, in the dtype of the log-probs
+    document_index: torch.Tensor  # [N]
+    group_index: torch.Tensor | None = None  # [N]
+    segments: Segments = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "segments", Segments.of(self.document_index))
+
+    def select(self, rows: torch.Tensor) -> LossInputs:
+        """The inputs of the tokens ``rows`` [R] (whole documents for a sequence-level loss)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return LossInputs(**{name: None if value is None else value[rows] for name, value in values.items()})
+
+    def log_ratio(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """``lp − old_lp`` [N], 0 where the mask is 0."""
+        # values under the mask (prompt, padding) may be anything, -inf and NaN included: never read them
+        return torch.where(self.mask > 0, logprobs - self.old_logprobs, 0.0)
+
+    @property
+    def labelled_advantages(self) -> torch.Tensor:
+        """``A`` [N], 0 where the mask is 0."""
+        return torch.where(self.mask > 0, self.advantages, 0.0)
 
 
 @dataclass(frozen=True)
@@ -35,55 +104,132 @@ class RatioUnits:
     mean_weight: torch.Tensor  # [U]
     count_weight: torch.Tensor  # [U]
 
+    @classmethod
+    def of_tokens(cls, log_ratio: torch.Tensor, inputs: LossInputs) -> RatioUnits:
+        """One unit per token: ``log_ratio`` [N], 0 where the mask is 0."""
+        doc_norm = inputs.segments.sum(inputs.mask).clamp(min=1)  # [S]
+        log_ratio = log_ratio.detach()
+        return cls(ratio=torch.exp(log_ratio), log_ratio=log_ratio,
+                   mean_weight=inputs.mask / inputs.segments.broadcast(doc_norm), count_weight=inputs.mask)
 
-def _clipped_objective(ratio, advantage, eps_low, eps_high):
-    """``min(r A, clip(r) A)`` elementwise."""
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    return torch.minimum(ratio * advantage, clipped * advantage)
+    @classmethod
+    def of_documents(cls, log_ratio: torch.Tensor, doc_tokens: torch.Tensor) -> RatioUnits:
+        """One unit per document with labelled tokens: ``log_ratio`` [S], ``doc_tokens`` [S] n_d."""
+        log_ratio = log_ratio.detach()
+        has_tokens = (doc_tokens > 0).to(doc_tokens.dtype)  # [S]
+        return cls(ratio=torch.exp(log_ratio), log_ratio=log_ratio, mean_weight=has_tokens, count_weight=has_tokens)
 
 
-def per_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    segments: Segments,
-    *,
-    loss: str,
-    eps_low: float,
-    eps_high: float,
-) -> tuple[torch.Tensor, RatioUnits]:
-    """Per-token losses ``ℓ_t`` ([N], 0 where ``mask`` is 0) and the ratios for the metrics.
+@dataclass(frozen=True)
+class PolicyLoss(ABC):
+    """A per-token policy loss; its dataclass fields are its options, checked against their bounds.
 
-    Documents must be whole in the given tokens (GSPO takes each document's mean).
+    ``sequence_level``: the loss of a token depends on its whole document, so callers must keep a
+    document's tokens together (the fused head chunks at document boundaries). A subclass that
+    defines ``__post_init__`` calls ``super().__post_init__()``.
     """
-    labelled = mask > 0
-    # values under the mask (prompt, padding) may be anything, -inf and NaN included: never read them
-    log_ratio = torch.where(labelled, logprobs - old_logprobs, 0.0)  # [N]
-    advantages = torch.where(labelled, advantages, 0.0)  # [N]
-    doc_tokens = segments.sum(mask)  # [S] n_d
-    doc_norm = doc_tokens.clamp(min=1)  # [S]
-    if loss == "grpo":
-        ratio = torch.exp(log_ratio)  # [N]
-        losses = torch.where(labelled, -_clipped_objective(ratio, advantages, eps_low, eps_high), 0.0)  # [N]
-        units = RatioUnits(
-            ratio=ratio.detach(),
-            log_ratio=log_ratio.detach(),
-            mean_weight=mask / segments.broadcast(doc_norm),
-            count_weight=mask,
-        )
-        return losses, units
-    # gspo: one sequence ratio per document; gradient flows through rho_d only.
-    rho = segments.sum(log_ratio) / doc_norm  # [S]
-    seq_ratio = torch.exp(rho)  # [S]
-    seq_advantage = (segments.sum(advantages.detach()) / doc_norm).detach()  # [S]
-    doc_loss = -_clipped_objective(seq_ratio, seq_advantage, eps_low, eps_high)  # [S]
-    losses = segments.broadcast(doc_loss) * mask  # [N]
-    has_tokens = (doc_tokens > 0).to(mask.dtype)  # [S]
-    units = RatioUnits(
-        ratio=seq_ratio.detach(),
-        log_ratio=rho.detach(),
-        mean_weight=has_tokens,
-        count_weight=has_tokens,
-    )
-    return losses, units
+
+    name: ClassVar[str]
+    sequence_level: ClassVar[bool]
+
+    def __post_init__(self):
+        check_bounds(self)
+
+    @abstractmethod
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        """Per-token losses ``ℓ_t`` ([N], 0 where the mask is 0) and the ratios for the metrics."""
+
+    def clipped(self, ratio: torch.Tensor) -> torch.Tensor | None:
+        """``[U] -> [U]`` bool: the units ``clipped_ratio_fraction`` counts; None: no such metric."""
+        return None
+
+    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
+        """Add this loss's own metrics (float64) to the micro-batch's ``partials``."""
+        return None  # the shared metrics only
+
+
+@dataclass(frozen=True)
+class ClippedRatioLoss(PolicyLoss):
+    """A loss of ``min(r·A, clip(r)·A)``, ``clip(r) = min(max(r, 1 − eps_low), 1 + eps_high)``."""
+
+    eps_low: float = field(default=0.2, metadata={"ge": 0, "lt": 1})
+    eps_high: float = field(default=0.2, metadata={"ge": 0})
+
+    def clipped_objective(self, ratio: torch.Tensor, advantage: torch.Tensor) -> torch.Tensor:
+        """``min(r A, clip(r) A)`` elementwise."""
+        clipped = torch.clamp(ratio, 1.0 - self.eps_low, 1.0 + self.eps_high)
+        return torch.minimum(ratio * advantage, clipped * advantage)
+
+    def clipped(self, ratio: torch.Tensor) -> torch.Tensor:
+        """Ratios outside ``[1 − eps_low, 1 + eps_high]``, whatever the sign of A."""
+        return (ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)
+
+
+LOSSES: dict[str, type[PolicyLoss]] = {}
+
+
+def register_loss(cls: type[PolicyLoss]) -> type[PolicyLoss]:
+    """Class decorator: make ``cls`` known to `make_loss` as ``cls.name``."""
+    taken = LOSSES.get(cls.name)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"loss name {cls.name!r} is taken by {taken.__qualname__}")
+    LOSSES[cls.name] = cls
+    return cls
+
+
+def make_loss(loss: str | PolicyLoss = "grpo", **options) -> PolicyLoss:
+    """The loss registered as ``loss`` with the given options, or the instance ``loss`` as is.
+
+    Raises ``ValueError`` for an unknown name, an unknown option or one out of its bounds, and for
+    options given with an instance.
+    """
+    if isinstance(loss, PolicyLoss):
+        if options:
+            raise ValueError(f"options {', '.join(options)} given with the loss instance {loss!r}; set them on it")
+        return loss
+    if not (isinstance(loss, str) and loss in LOSSES):
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
+    cls = LOSSES[loss]
+    known = [f.name for f in fields(cls) if f.init]
+    for option in options:
+        if option not in known:
+            raise ValueError(f"{option} is not an option of loss {loss!r}; it takes {', '.join(known) or 'none'}")
+    return cls(**options)
+
+
+@register_loss
+@dataclass(frozen=True)
+class GRPO(ClippedRatioLoss):
+    """``ℓ_t = −min(r_t·A_t, clip(r_t)·A_t)`` with token ratios ``r_t = exp(lp_t − old_lp_t)``."""
+
+    name = "grpo"
+    sequence_level = False
+
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        log_ratio = inputs.log_ratio(logprobs)  # [N]
+        objective = self.clipped_objective(torch.exp(log_ratio), inputs.labelled_advantages)  # [N]
+        losses = torch.where(inputs.mask > 0, -objective, 0.0)  # [N]
+        return losses, RatioUnits.of_tokens(log_ratio, inputs)
+
+
+@register_loss
+@dataclass(frozen=True)
+class GSPO(ClippedRatioLoss):
+    """Every labelled token of document d gets ``λ_d = −min(R_d·Ā_d, clip(R_d)·Ā_d)``, with the
+    sequence ratio ``R_d = exp(mean_d(lp − old_lp))`` and ``Ā_d = mean_d(A)``; the gradient flows
+    through ``R_d`` only."""
+
+    name = "gspo"
+    sequence_level = True
+
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        segments = inputs.segments
+        doc_tokens = segments.sum(inputs.mask)  # [S] n_d
+        doc_norm = doc_tokens.clamp(min=1)  # [S]
+        rho = segments.sum(inputs.log_ratio(logprobs)) / doc_norm  # [S]
+        seq_advantage = (segments.sum(inputs.labelled_advantages.detach()) / doc_norm).detach()  # [S]
+        doc_loss = -self.clipped_objective(torch.exp(rho), seq_advantage)  # [S]
+        return segments.broadcast(doc_loss) * inputs.mask, RatioUnits.of_documents(rho, doc_tokens)
+
+    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
+        partials.sums["num_segments"] = units.count_weight.to(torch.float64).sum()

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlcli.modules.aggregation import StepTotals
-from rlcli.modules.losses import RatioUnits
-from rlcli.modules.segments import Segments
+from rlcli.modules.losses import LossInputs, PolicyLoss, RatioUnits, make_loss
 
 METRIC_LEVELS = ("none", "basic", "with_entropy")
 
@@ -47,52 +46,49 @@ class MetricPartials:
 
 def metric_partials(
     logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    segments: Segments,
+    inputs: LossInputs,
     units: RatioUnits,
     *,
-    loss: str,
-    eps_low: float,
-    eps_high: float,
-    metrics: str,
+    loss: str | PolicyLoss = "grpo",
+    metrics: str = "basic",
     entropy: torch.Tensor | None = None,
+    **loss_options,
 ) -> MetricPartials:
-    """The SPEC §6 partials of one micro-batch (whole documents). All inputs ``[N]``; float64 out."""
+    """The SPEC §6 partials of one micro-batch (whole documents), with the ``units`` of ``loss.per_token``
+    and the loss's own metrics. All inputs ``[N]``; float64 out."""
+    loss = make_loss(loss, **loss_options)
     partials = MetricPartials()
     if metrics == "none":
         return partials
     f64 = torch.float64
-    mask = mask.detach().to(f64)
-    doc_norm = segments.sum(mask).clamp(min=1)  # [S]
-    token_mean_weight = mask / segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
+    mask = inputs.mask.detach().to(f64)
+    doc_norm = inputs.segments.sum(mask).clamp(min=1)  # [S]
+    token_mean_weight = mask / inputs.segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
 
     labelled = mask > 0
 
     def doc_mean_numerator(values):
         return (token_mean_weight * torch.where(labelled, values.detach().to(f64), 0.0)).sum()
 
-    partials.means["old_logprobs"] = doc_mean_numerator(old_logprobs)
+    partials.means["old_logprobs"] = doc_mean_numerator(inputs.old_logprobs)
     partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
-    partials.means["advantage"] = doc_mean_numerator(advantages)
+    partials.means["advantage"] = doc_mean_numerator(inputs.advantages)
     if metrics == "with_entropy":
         if entropy is None:
             raise ValueError("metrics 'with_entropy' needs the per-token entropy")
         partials.means["entropy"] = doc_mean_numerator(entropy)
 
-    ratio, log_ratio = units.ratio.to(f64), units.log_ratio.to(f64)
-    mean_weight, count_weight = units.mean_weight.to(f64), units.count_weight.to(f64)
-    outside = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).to(f64)
+    ratio, log_ratio = units.ratio.to(f64), units.log_ratio.to(f64)  # [U]
+    mean_weight, count_weight = units.mean_weight.to(f64), units.count_weight.to(f64)  # [U]
     partials.means["ratio_new_old"] = (mean_weight * ratio).sum()
     partials.means["kl_new_old"] = (mean_weight * (ratio - 1 - log_ratio)).sum()
-    partials.means["clipped_ratio_fraction"] = (mean_weight * outside).sum()
+    clipped = loss.clipped(ratio)  # [U] | None
+    if clipped is not None:
+        partials.means["clipped_ratio_fraction"] = (mean_weight * clipped.to(f64)).sum()
     partials.sums["ratio_new_old_sum"] = (count_weight * ratio).sum()
     partials.sums["ratio_new_old_squared_sum"] = (count_weight * ratio.square()).sum()
-    if loss == "gspo":
-        partials.sums["num_segments"] = count_weight.sum()
 
-    adv = advantages.detach().to(f64)
+    adv = inputs.advantages.detach().to(f64)  # [N]
 
     def labelled_extreme(fill, reduce):
         # the fill value stands for "no labelled token" and is dropped in finalize_metrics
@@ -100,6 +96,7 @@ def metric_partials(
 
     partials.maxima["max_advantage"] = labelled_extreme(-math.inf, torch.max)
     partials.minima["min_advantage"] = labelled_extreme(math.inf, torch.min)
+    loss.add_metric_partials(partials, units, inputs)
     return partials
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlcli.modules.aggregation import StepTotals, check_aggregation_options, token_weights
-from rlcli.modules.losses import check_loss_options, per_token_loss
+from rlcli.modules.losses import LossInputs, PolicyLoss, make_loss
 from rlcli.modules.metrics import (
     MetricPartials,
     check_metrics_level,
@@ -16,12 +16,13 @@ from rlcli.modules.segments import Segments
 
 
 def check_policy_loss_options(
-    *, loss: str, aggregation: str, divisor: float | None, eps_low: float, eps_high: float, metrics: str
-) -> None:
-    """Raise ``ValueError`` naming the first invalid option."""
-    check_loss_options(loss, eps_low, eps_high)
+    *, loss: str | PolicyLoss = "grpo", aggregation: str, divisor: float | None, metrics: str, **loss_options
+) -> PolicyLoss:
+    """Raise ``ValueError`` naming the first invalid option; return the loss (see `make_loss`)."""
+    loss = make_loss(loss, **loss_options)
     check_aggregation_options(aggregation, divisor)
     check_metrics_level(metrics)
+    return loss
 
 
 def _check_shapes(named: dict[str, torch.Tensor | None]) -> None:
@@ -42,38 +43,32 @@ def micro_batch_loss(
     totals: StepTotals,
     group_index: torch.Tensor | None = None,
     *,
-    loss: str = "grpo",
+    loss: str | PolicyLoss = "grpo",
     aggregation: str = "token_mean",
     divisor: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
     metrics: str = "basic",
     entropy: torch.Tensor | None = None,
+    **loss_options,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """This micro-batch's share of the step loss ``L`` and its metric partials.
 
     The micro-batch holds whole documents; ``totals`` are the whole step's (all micro-batches,
     all ranks) and ``group_index`` uses the step's group numbering. Summing the returned losses
     (and their gradients) over every micro-batch of the step gives exactly ``L`` (and ``∇L``).
-    Options are validated by ``check_policy_loss_options``.
+    ``loss`` is a registered name with its options as keywords, or a `PolicyLoss`.
     """
+    loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
+                                     **loss_options)
     _check_shapes(
         dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
              document_index=document_index, group_index=group_index, entropy=entropy)
     )
-    mask = mask.to(logprobs.dtype)
-    segments = Segments.of(document_index)
-    losses, units = per_token_loss(
-        logprobs, old_logprobs, advantages, mask, segments,
-        loss=loss, eps_low=eps_low, eps_high=eps_high,
-    )  # [N]
+    inputs = LossInputs(old_logprobs, advantages, mask.to(logprobs.dtype), document_index, group_index)
+    losses, units = loss.per_token(logprobs, inputs)  # [N]
     weights = token_weights(
-        mask, segments, totals, aggregation=aggregation, divisor=divisor, group_index=group_index
+        inputs.mask, inputs.segments, totals, aggregation=aggregation, divisor=divisor, group_index=group_index
     )  # [N]
-    partials = metric_partials(
-        logprobs, old_logprobs, advantages, mask, segments, units,
-        loss=loss, eps_low=eps_low, eps_high=eps_high, metrics=metrics, entropy=entropy,
-    )
+    partials = metric_partials(logprobs, inputs, units, loss=loss, metrics=metrics, entropy=entropy)
     return (weights * losses).sum(), partials
 
 
@@ -85,23 +80,23 @@ def policy_loss(
     document_index: torch.Tensor,
     group_index: torch.Tensor | None = None,
     *,
-    loss: str = "grpo",
+    loss: str | PolicyLoss = "grpo",
     aggregation: str = "token_mean",
     divisor: float | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
     metrics: str = "basic",
     entropy: torch.Tensor | None = None,
+    **loss_options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss ``L`` of SPEC §3–§4 and the metrics of SPEC §6 for one whole step.
 
     All tensors are flat ``[N]`` over the step's tokens: ``mask`` is 1 for labelled tokens,
     ``document_index`` the document of each token, ``group_index`` its group (any integer ids).
-    ``loss`` carries autograd to ``logprobs``; metric values are detached float64 scalars.
+    ``loss`` is a registered name with its options as keywords (``loss="gspo", eps_high=0.28``) or
+    a `PolicyLoss`. The returned loss carries autograd to ``logprobs``; metric values are detached
+    float64 scalars.
     """
-    check_policy_loss_options(
-        loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high, metrics=metrics
-    )
+    loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
+                                     **loss_options)
     _check_shapes(
         dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
              document_index=document_index, group_index=group_index, entropy=entropy)
@@ -116,7 +111,6 @@ def policy_loss(
     totals = StepTotals.of_tokens(mask, Segments.of(document_index), group_index, num_groups)
     step_loss, partials = micro_batch_loss(
         logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
-        loss=loss, aggregation=aggregation, divisor=divisor, eps_low=eps_low, eps_high=eps_high,
-        metrics=metrics, entropy=entropy,
+        loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy,
     )
     return step_loss, {"loss": step_loss.detach().to(torch.float64)} | finalize_metrics(partials, totals)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from rlcli.data.schema import Rollout, validate_record
-from rlcli.rollout.advantages import group_advantages
-from rlcli.rollout.sampler import check_sampling_options, sample_completions
+from rlcli.rollout.advantages import GROUP_ESTIMATORS, group_advantages
+from rlcli.rollout.sampler import Sampler
 
 __all__ = ["OnPolicyRollouts", "step_seed"]
 
@@ -27,44 +27,43 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 class OnPolicyRollouts:
-    """Generate one step of rollouts on ``task`` (see `rlcli.rollout.tasks` for the protocol).
+    """Generate one step of rollouts on ``task`` (see `rlcli.rollout.tasks` for the protocol) with
+    ``sampler``, which holds the policy and its sampling options (see `rlcli.rollout.sampler.Sampler`).
 
     Every rank draws its own ``prompts_per_step`` prompts and samples ``group_size`` completions
-    of each; a group is the completions of one prompt. ``estimator`` is ``"grpo"`` or ``"dr_grpo"``
-    (see `group_advantages`). Sampling options are those of `sample_completions`; the model
-    given to ``generate`` is the bare Hugging Face module (not a DDP wrapper).
+    of each, at most ``max_new_tokens`` tokens long; a group is the completions of one prompt.
+    ``estimator`` is one of `GROUP_ESTIMATORS`, ``eps`` is ``advantage.eps`` (see `group_advantages`).
     """
 
     def __init__(
         self,
         task: Any,
+        sampler: Sampler,
         *,
         prompts_per_step: int,
         group_size: int,
         max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
         estimator: str = "grpo",
+        eps: float,
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1:
             raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
-        if estimator not in ("grpo", "dr_grpo"):
-            raise ValueError(f"estimator must be 'grpo' or 'dr_grpo', got {estimator!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if estimator not in GROUP_ESTIMATORS:
+            raise ValueError(f"estimator must be one of {', '.join(GROUP_ESTIMATORS)}, got {estimator!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        check_sampling_options(max_new_tokens, temperature, top_p, top_k)
         self.task = task
+        self.sampler = sampler
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
         self.estimator = estimator
+        self.eps = eps
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -74,7 +73,7 @@ class OnPolicyRollouts:
         """Documents this rank generates per step."""
         return self.prompts_per_step * self.group_size
 
-    def generate(self, model: torch.nn.Module, step: int) -> tuple[list[Rollout], dict[str, float]]:
+    def generate(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
         """This rank's rollouts for ``step`` (grouped by prompt, in order) and their statistics:
         mean ``reward``, ``accuracy`` (fraction exactly correct), mean ``completion_length`` and
         ``stopped_fraction`` (completions that ended with eos)."""
@@ -82,24 +81,20 @@ class OnPolicyRollouts:
         prompts = self.task.sample_prompts(step_rng, self.prompts_per_step)
         generator = torch.Generator().manual_seed(step_rng.getrandbits(63))
         tokenizer = self.task.tokenizer
-        completions = sample_completions(
-            model,
-            [list(p.ids) for p in prompts for _ in range(self.group_size)],
+        owners = [p for p in prompts for _ in range(self.group_size)]  # the prompt of each completion
+        completions = self.sampler.sample(
+            [list(p.ids) for p in owners],
             max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
             stop_ids=(tokenizer.eos_id,),
             pad_id=tokenizer.pad_id,
             generator=generator,
         )
-        owners = [p for p in prompts for _ in range(self.group_size)]  # the prompt of each completion
         rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
         group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
-        advantages = group_advantages(rewards, group_ids, self.estimator)
+        advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps)
 
         first_index = (step * self.world_size + self.rank) * self.documents_per_step
-        vocab_size = model.get_output_embeddings().weight.shape[0]
+        vocab_size = self.sampler.vocab_size
         rollouts = []
         for i, (prompt, completion) in enumerate(zip(owners, completions)):
             record = {
@@ -109,7 +104,7 @@ class OnPolicyRollouts:
                 "advantages": [advantages[i]] * len(completion.ids),
                 "reward": rewards[i],
                 "group_id": group_ids[i],
-                "temperature": self.temperature,
+                "temperature": self.sampler.temperature,
             }
             source = f"rollout:step {step} rank {self.rank} #{i}"
             rollouts.append(validate_record(record, source=source, index=first_index + i, vocab_size=vocab_size))

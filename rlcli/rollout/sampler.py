@@ -1,4 +1,5 @@
-"""Batched autoregressive sampling from a Hugging Face causal LM, with the sampler's log-probs.
+"""Samplers: the `Sampler` protocol that on-policy rollouts draw from, and `HFSampler`, batched
+autoregressive sampling from a Hugging Face causal LM with a KV cache.
 
 The recorded log-probability of a sampled token is the log-softmax of ``logits / temperature``
 over the *full* vocabulary, also when ``top_k``/``top_p`` truncate the distribution the token is
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
-__all__ = ["Completion", "check_sampling_options", "sample_completions"]
+__all__ = ["Completion", "HFSampler", "Sampler", "check_sampling_options", "sample_completions"]
 
 
 @dataclass
@@ -26,10 +28,38 @@ class Completion:
     stopped: bool
 
 
-def check_sampling_options(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+class Sampler(Protocol):
+    """Draws completions from the current policy; what `rlcli.rollout.onpolicy.OnPolicyRollouts` calls.
+
+    Sampling options (temperature, truncation) are the sampler's own, set when it is built.
+    ``sample`` returns one `Completion` per prompt, in order. A completion ends after its first
+    token of ``stop_ids`` (kept, ``stopped=True``) or at ``max_new_tokens`` (>= 1) tokens. Its
+    ``logprobs`` are each token's log-probability under the full distribution at ``temperature``
+    (the trainer's ``lp_t``, SPEC §2), whatever truncation chose the token. Random draws come
+    from ``generator`` only, so a seeded generator gives the same completions again.
+    """
+
+    @property
+    def temperature(self) -> float:
+        """The temperature the log-probs are taken at."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids the policy has."""
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        pad_id: int,
+        generator: torch.Generator,
+    ) -> list[Completion]: ...
+
+
+def check_sampling_options(temperature: float, top_p: float, top_k: int) -> None:
     """Raise ``ValueError`` naming the first invalid sampling option."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -86,7 +116,9 @@ def sample_completions(
     (on any device), so a seeded generator reproduces the samples. Logits are taken in float32.
     The model runs in eval mode and gets its previous mode back.
     """
-    check_sampling_options(max_new_tokens, temperature, top_p, top_k)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_sampling_options(temperature, top_p, top_k)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, each with at least one token")
     device = next(model.parameters()).device
@@ -135,3 +167,43 @@ def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int
         length = ends[0] + 1 if ends else len(row_ids)
         result.append(Completion(ids=row_ids[:length], logprobs=row_lp[:length], stopped=bool(ends)))
     return result
+
+
+class HFSampler:
+    """A `Sampler` over a Hugging Face causal LM: `sample_completions` with these options.
+
+    ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+        check_sampling_options(temperature, top_p, top_k)
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the model's output embedding."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        pad_id: int,
+        generator: torch.Generator,
+    ) -> list[Completion]:
+        return sample_completions(
+            self.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_ids=stop_ids,
+            pad_id=pad_id,
+            generator=generator,
+        )

@@ -8,14 +8,13 @@ optimizer update and one row of metrics.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from rlcli.conf.schema import AggregationConfig, LossConfig
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
 from rlcli.loggers.metrics_csv import MetricsCSVLogger
@@ -23,28 +22,12 @@ from rlcli.model.scorer import TokenScorer
 from rlcli.modules.fused_head import fused_micro_batch_loss
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.training import distributed
+from rlcli.training.sources import StepSource
 from rlcli.training.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
 TENSOR_FIELDS = ("input_ids", "position_ids", "labels", "old_logprobs", "advantages", "mask", "document_index")
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The `loss`, `aggregation` and `metrics` groups, as `fused_micro_batch_loss` needs them."""
-
-    loss: str = "grpo"
-    aggregation: str = "token_mean"
-    divisor: float | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    metrics: str = "basic"
-    temperature: float = 1.0
-    fp32_lm_head: bool = False
-    chunk_tokens: int | str = "auto"
-
-
-# Fault injection for the tests: "STEP:RANK" makes that rank's loss (and gradient) NaN at that step.
-NAN_LOSS_AT = "RLCLI_TEST_NAN_LOSS_AT"
 # A first step whose ratio or kl is further from on-policy than this gets a warning.
 PARITY_RATIO_TOLERANCE = 0.05
 PARITY_KL_TOLERANCE = 0.02
@@ -70,7 +53,8 @@ class TrainingDiverged(UserError):
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
-    ``make_source(rank, world_size)`` builds this rank's source of steps (`rlcli.training.sources`); the
+    The ``loss``, ``aggregation`` and ``metrics`` config groups say what to optimise and report.
+    ``make_source(rank, world_size)`` builds this rank's `StepSource` (`rlcli.training.sources`); the
     dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` returns the
     scorer sharded for FSDP1 or FSDP2 (`rlcli.training.strategy`).
     """
@@ -78,9 +62,11 @@ class PolicyModule(L.LightningModule):
     def __init__(
         self,
         policy: torch.nn.Module,
-        settings: LossSettings,
+        loss: LossConfig,
+        aggregation: AggregationConfig,
+        metrics: str,
         make_optimizer: Callable[[torch.nn.Module], tuple],
-        make_source: Callable[[int, int], object],
+        make_source: Callable[[int, int], StepSource],
         *,
         grad_clip: float = 0.0,
         max_bad_steps: int = 3,
@@ -89,15 +75,17 @@ class PolicyModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.scorer = TokenScorer(
-            policy, temperature=settings.temperature, fp32_lm_head=settings.fp32_lm_head,
-            chunk_tokens=settings.chunk_tokens, with_entropy=settings.metrics == "with_entropy",
+            policy, temperature=loss.temperature, fp32_lm_head=loss.fp32_lm_head,
+            chunk_tokens=loss.chunk_tokens, with_entropy=metrics == "with_entropy",
         )
-        self.settings = settings
+        self.loss = loss
+        self.aggregation = aggregation
+        self.metrics = metrics
         self.grad_clip = grad_clip
         self.make_optimizer = make_optimizer
         self.make_source = make_source
         self.shard = shard
-        self.source = None
+        self.source: StepSource | None = None
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
         self.empty_steps = 0
@@ -141,20 +129,20 @@ class PolicyModule(L.LightningModule):
             t = {name: getattr(batch, name) for name in TENSOR_FIELDS}
             group_index = batch.group_index(plan.group_numbering)
         t = {name: value.to(self.device) for name, value in t.items()}
-        s = self.settings
+        loss, aggregation = self.loss, self.aggregation
 
         def head_loss(hidden, weight):
             return fused_micro_batch_loss(
                 hidden, weight, t["labels"], t["old_logprobs"], t["advantages"], t["mask"], t["document_index"],
                 plan.totals, group_index.to(self.device),
-                loss=s.loss, aggregation=s.aggregation, divisor=s.divisor, eps_low=s.eps_low, eps_high=s.eps_high,
-                metrics=s.metrics, temperature=s.temperature, fp32=s.fp32_lm_head, chunk_tokens=s.chunk_tokens,
+                loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=self.metrics,
+                temperature=loss.temperature, fp32=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens,
             )
 
         return self.scorer(t["input_ids"], t["position_ids"], t["labels"], head_loss=head_loss)
 
     def training_step(self, tick, batch_idx):
-        step = self.source.next_step(self.policy, self.steps_done, self.device)
+        step = self.source.next_step(self.steps_done, self.device)
         passes = int(distributed.all_reduce(
             torch.tensor(len(step.micro_batches), device=self.device), "max"
         ))
@@ -170,8 +158,6 @@ class PolicyModule(L.LightningModule):
             batch = step.micro_batches[i] if i < len(step.micro_batches) else None
             with optimizer.toggle_model(sync_grad=i == passes - 1):  # gradients sync once per step
                 loss, batch_partials = self._micro_batch_loss(batch, plan)
-                if os.environ.get(NAN_LOSS_AT) == f"{self.steps_done + 1}:{self.global_rank}":
-                    loss = loss * math.nan  # fault injection for the tests: this rank's loss and gradient
                 self.manual_backward(loss * distributed.gradient_scale())
             step_loss += loss.detach().to(torch.float64)
             partials = partials + batch_partials
@@ -189,7 +175,7 @@ class PolicyModule(L.LightningModule):
         if getattr(self.source, "exact", False):
             metrics["carried_documents"] = step.carried_over
         if self.steps_done == 1:
-            warn_if_off_policy(metrics, self.settings.temperature)
+            warn_if_off_policy(metrics, self.loss.temperature)
         self._log_step(metrics)
         return None
 
@@ -222,6 +208,7 @@ class PolicyModule(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad()
         self.lr_schedulers().step()
+        self.source.after_update(self.steps_done)
         return grad_norm
 
     def _log_step(self, metrics: dict) -> None:

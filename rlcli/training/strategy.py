@@ -11,15 +11,14 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from omegaconf import DictConfig
 
 from rlcli.model.sharding import fsdp_wrap, fully_shard_policy
 
 
-def build_strategy(cfg: DictConfig, policy: torch.nn.Module, world_size: int):
+def build_strategy(cfg, policy: torch.nn.Module, world_size: int):
     """``(strategy for lightning.Trainer, sharding function for configure_model or None)``; the sharding
     function takes ``(scorer, device_mesh)`` and returns the module to call in its place."""
-    backend = cfg.get("process_group_backend") or None
+    backend = getattr(cfg, "process_group_backend", None)
     if cfg.name == "auto":
         return "auto", None
     if cfg.name == "ddp":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import rlcli.training.sources as sources
+import rlcli.training.sources.files as file_sources
 from rlcli.train import train
 from rlcli.training import distributed
 from rlcli.training.step import collect_step
@@ -32,7 +32,7 @@ def main(jobs_file: str, out_dir: str) -> None:
         steps.append([[doc.index for doc in batch.documents] for batch in step.micro_batches])
         return step
 
-    sources.collect_step = recording_collect_step
+    file_sources.collect_step = recording_collect_step
     for job in json.loads(Path(jobs_file).read_text()):
         steps.clear()
         started = time.perf_counter()

@@ -38,7 +38,7 @@ def reference_parameters(data, docs: list[int], loss: str, aggregation: str, div
     L.seed_everything(cfg.seed, verbose=False)
     policy = build_policy(cfg.model).double()
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
-    by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo")}
+    by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo", eps=cfg.advantage.eps)}
     batch = make_micro_batch([by_index[i] for i in docs])
     scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
     logprobs, _ = scorer(batch.input_ids, batch.position_ids, batch.labels)

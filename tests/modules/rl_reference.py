@@ -48,6 +48,33 @@ def documents(mask: torch.Tensor, doc: torch.Tensor, group: torch.Tensor | None 
 # --------------------------------------------------------------------------------------------
 
 
+def ref_document_weights(docs: list[Doc], *, aggregation: str, divisor: float | None = None) -> list[float]:
+    """``w`` of SPEC §4 shared by the labelled tokens of each document (0 for a document without any)."""
+    num_docs = len(docs)  # D: every document, also those with no labelled token
+    num_tokens = sum(len(d.labelled) for d in docs)  # T
+    group_tokens: dict[int, int] = {}  # T_g
+    for d in docs:
+        if aggregation == "prompt_mean":
+            group_tokens[d.group] = group_tokens.get(d.group, 0) + len(d.labelled)
+    num_groups = len(group_tokens)  # P: groups with a document in the step
+
+    def weight(d: Doc) -> float:
+        n = len(d.labelled)
+        if n == 0:
+            return 0.0
+        if aggregation == "token_mean":
+            return 1.0 / num_tokens
+        if aggregation == "sample_mean":
+            return 1.0 / (n * num_docs)
+        if aggregation == "prompt_mean":
+            return 1.0 / (group_tokens[d.group] * num_groups)
+        if aggregation == "constant":
+            return 1.0 / (divisor * num_docs)
+        raise AssertionError(aggregation)
+
+    return [weight(d) for d in docs]
+
+
 def ref_loss(
     lp: torch.Tensor,
     old: torch.Tensor,
@@ -65,30 +92,14 @@ def ref_loss(
     """``L = Σ_t w_t ℓ_t`` in float64, differentiable w.r.t. ``lp``."""
     lp, old, adv = lp.to(F64), old.to(F64), adv.to(F64)
     docs = documents(mask, doc, group)
-    num_docs = len(docs)  # D: every document, also those with no labelled token
-    num_tokens = sum(len(d.labelled) for d in docs)  # T
-    group_tokens: dict[int, int] = {}  # T_g
-    for d in docs:
-        if aggregation == "prompt_mean":
-            group_tokens[d.group] = group_tokens.get(d.group, 0) + len(d.labelled)
-    num_groups = len(group_tokens)  # P: groups with a document in the step
+    weights = ref_document_weights(docs, aggregation=aggregation, divisor=divisor)
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
 
     total = lp.sum() * 0.0  # float64 zero that carries the graph
-    for d in docs:
+    for d, w in zip(docs, weights):
         n = len(d.labelled)
         if n == 0:
             continue
-        if aggregation == "token_mean":
-            w = 1.0 / num_tokens
-        elif aggregation == "sample_mean":
-            w = 1.0 / (n * num_docs)
-        elif aggregation == "prompt_mean":
-            w = 1.0 / (group_tokens[d.group] * num_groups)
-        elif aggregation == "constant":
-            w = 1.0 / (divisor * num_docs)
-        else:
-            raise AssertionError(aggregation)
         sel = torch.tensor(d.labelled)
         if loss == "grpo":
             r = torch.exp(lp[sel] - old[sel])

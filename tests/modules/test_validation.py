@@ -59,6 +59,7 @@ OPTION_ERRORS = [
     (dict(eps_high=-0.1), "eps_high"),
     (dict(eps_high=-1e-9), "eps_high"),
     (dict(eps_high=math.nan), "eps_high"),
+    (dict(eps_high=math.inf), "eps_high"),
 ]
 
 

@@ -15,6 +15,7 @@ from rlcli.data.packing import make_micro_batch
 from rlcli.modules.lm_head import token_logprobs
 from rlcli.modules.policy_loss import policy_loss
 from rlcli.rollout.onpolicy import OnPolicyRollouts
+from rlcli.rollout.sampler import HFSampler
 from rlcli.rollout.tasks import ReverseTask
 
 DEFAULTS = dict(
@@ -36,18 +37,19 @@ def train_on_rollouts(
     """Alternate generation and one GRPO (token_mean) update; the mean reward of every step."""
     rollouts = OnPolicyRollouts(
         task,
+        HFSampler(model, temperature=temperature),
         prompts_per_step=prompts_per_step,
         group_size=group_size,
         max_new_tokens=max_new_tokens,
-        temperature=temperature,
         estimator="grpo",
+        eps=1e-6,
         seed=seed,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     head = model.get_output_embeddings().weight
     rewards = []
     for step in range(steps):
-        docs, stats = rollouts.generate(model, step)
+        docs, stats = rollouts.generate(step)
         rewards.append(stats["reward"])
         batch = make_micro_batch(docs)  # one packed row of every document
         hidden = model.base_model(

@@ -1,4 +1,5 @@
-"""Batched sampling: shapes, stops, reproducibility, and log-probs equal to a teacher-forced pass."""
+"""Batched sampling: shapes, stops, reproducibility, log-probs equal to a teacher-forced pass, and
+`HFSampler`, the `Sampler` that wraps it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from rlcli.modules.lm_head import token_logprobs
-from rlcli.rollout.sampler import _left_pad, _truncate, sample_completions
+from rlcli.rollout.sampler import HFSampler, _left_pad, _truncate, sample_completions
 
 VOCAB = 12
 PAD, EOS = 0, 1
@@ -125,6 +126,21 @@ def test_samples_in_eval_mode_and_restores_the_mode(tiny_model, was_training):
 def test_bad_options(tiny_model, options):
     with pytest.raises(ValueError):
         sample(tiny_model(VOCAB), **options)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_hf_sampler_checks_its_options_when_built(tiny_model, options):
+    with pytest.raises(ValueError):
+        HFSampler(tiny_model(VOCAB), **(dict(temperature=1.0) | options))
+
+
+def test_hf_sampler_is_sample_completions_with_its_options(tiny_model):
+    model = tiny_model(VOCAB)
+    sampler = HFSampler(model, temperature=0.7, top_p=0.8, top_k=5)
+    assert (sampler.temperature, sampler.vocab_size) == (0.7, VOCAB)
+    generator = torch.Generator().manual_seed(2)
+    drawn = sampler.sample(PROMPTS, max_new_tokens=6, stop_ids=(EOS,), pad_id=PAD, generator=generator)
+    assert drawn == sample(model, temperature=0.7, top_p=0.8, top_k=5, seed=2)
 
 
 def test_empty_prompt_is_an_error(tiny_model):

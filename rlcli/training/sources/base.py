@@ -1,0 +1,64 @@
+"""The interfaces of step sources and of the data kinds that make them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+from rlcli.training.step import CollectedStep
+
+if TYPE_CHECKING:
+    from rlcli.conf.schema import TrainConfig
+
+
+class StepSource(ABC):
+    """One rank's supply of steps. ``next_step`` returns this rank's micro-batches of the next step
+    (an empty step on every rank ends the run); ``state_dict``/``load_state_dict`` hold what a
+    checkpoint needs to continue exactly; ``after_update(step)`` is called after every optimizer
+    update that step ``step`` (counted as in ``metrics.csv``) made, on every rank."""
+
+    @abstractmethod
+    def next_step(self, step: int, device: torch.device) -> CollectedStep:
+        """This rank's micro-batches of the next step; ``step`` steps came before it."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (a ``state_dict`` of the same kind of source); nothing to restore here."""
+        return None
+
+    def after_update(self, step: int) -> None:
+        """Nothing to do after an update unless the source says otherwise."""
+        return None
+
+
+class DataKind(ABC):
+    """A value of ``data.kind``: its config rules and how it makes step sources."""
+
+    groups: ClassVar[tuple[str, ...]] = ()  # top-level config groups it reads besides `data`
+
+    @staticmethod
+    def check_config(cfg: DictConfig, problems: list[str]) -> None:
+        """Append a ``"key: what is wrong"`` line to ``problems`` for each rule of this kind ``cfg`` breaks
+        (``cfg`` is the composed config, checked against the schema at the same time: read it defensively).
+        A kind without rules of its own adds nothing."""
+        return None
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+
+    @property
+    @abstractmethod
+    def default_vocab_size(self) -> int:
+        """The vocabulary of a tiny model whose ``model.vocab_size`` is null."""
+
+    @abstractmethod
+    def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
+        """``(rank, world_size) -> StepSource``, called on each rank once its process group exists."""

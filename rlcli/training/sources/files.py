@@ -1,0 +1,85 @@
+"""``data=rollouts``: steps from rollout files (SPEC §7), a number of micro-batches or documents each."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from rlcli.data.document_stream import DocumentStream
+from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
+from rlcli.data.schema import Rollout
+from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
+from rlcli.rollout.advantages import apply_advantage_estimator
+from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.step import CollectedStep, collect_step
+
+log = logging.getLogger("rlcli")
+
+
+class RolloutFileSource(StepSource):
+    """This rank's share of the rollout files; a step is a number of micro-batches or documents."""
+
+    def __init__(self, stream: DocumentStream, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
+        self.stream = stream
+        self.accumulate_microbatches = accumulate_microbatches
+        self.docs_per_step = docs_per_step
+        self.exact = exact
+
+    def next_step(self, step: int, device: torch.device) -> CollectedStep:
+        return collect_step(
+            self.stream, accumulate_microbatches=self.accumulate_microbatches,
+            docs_per_step=self.docs_per_step, exact=self.exact, device=device,
+        )
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+class RolloutFiles(DataKind):
+    """Rollout files read and validated once; each rank trains on its share of the documents."""
+
+    @property
+    def default_vocab_size(self) -> int:
+        return TOY_VOCAB_SIZE  # the shipped example's
+
+    def read(self, vocab_size: int) -> list[Rollout]:
+        """Read, validate and complete (advantages) the rollout files of ``data.paths``."""
+        cfg = self.cfg
+        rollouts, rejections = load_rollouts(
+            list(cfg.data.paths), vocab_size=vocab_size, max_tokens=cfg.data.max_tokens,
+            on_invalid=cfg.data.on_invalid,
+        )
+        if rejections:
+            path = self.run_dir / "rejected.jsonl"
+            write_rejections(rejections, path)
+            log.warning("data: %d invalid records skipped (data.on_invalid=skip), listed in %s", len(rejections), path)
+        mismatches = check_temperature(
+            rollouts, cfg.loss.temperature, allow_mismatch=cfg.data.allow_temperature_mismatch
+        )
+        if mismatches:
+            log.warning("data: %d records were sampled at a temperature other than loss.temperature=%s",
+                        mismatches, cfg.loss.temperature)
+        rollouts = apply_advantage_estimator(rollouts, cfg.advantage.estimator, eps=cfg.advantage.eps)
+        log.info("data: %d documents for training", len(rollouts))
+        return rollouts
+
+    def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
+        rollouts = self.read(policy.config.vocab_size)
+        cfg = self.cfg
+
+        def make_source(rank: int, world_size: int) -> RolloutFileSource:
+            stream = DocumentStream(
+                rollouts, max_tokens=cfg.data.max_tokens, shuffle=cfg.data.shuffle, seed=cfg.seed,
+                epochs=cfg.data.epochs, rank=rank, world_size=world_size,
+            )
+            return RolloutFileSource(
+                stream, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
+                docs_per_step=cfg.trainer.docs_per_step, exact=cfg.trainer.docs_per_step_mode == "exact",
+            )
+
+        return make_source

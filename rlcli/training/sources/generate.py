@@ -1,0 +1,96 @@
+"""``data=generate``: every step samples fresh groups from the current policy (on-policy rollouts)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from rlcli.data.document_stream import pack_documents
+from rlcli.data.writers import append_jsonl
+from rlcli.errors import UserError
+from rlcli.rollout.onpolicy import OnPolicyRollouts
+from rlcli.rollout.sampler import HFSampler
+from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.step import CollectedStep
+
+
+class OnPolicySource(StepSource):
+    """Each step samples fresh groups from the current policy (all of them form the step)."""
+
+    def __init__(self, rollouts: OnPolicyRollouts, *, max_tokens: int, save_to: Path | None = None):
+        self.rollouts = rollouts
+        self.max_tokens = max_tokens
+        self.save_to = save_to
+
+    def next_step(self, step: int, device: torch.device) -> CollectedStep:
+        documents, stats = self.rollouts.generate(step)
+        if self.save_to is not None:
+            append_jsonl(documents, self.save_to)
+        return CollectedStep(list(pack_documents(documents, self.max_tokens)), stats=stats)
+    # prompts and samples derive from (seed, step, rank): no state to keep
+
+
+def _number(node, key):
+    value = node.get(key) if isinstance(node, DictConfig) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class OnPolicyGeneration(DataKind):
+    """Rollouts sampled from the policy itself on ``task``, with ``rollout.*`` sampling options."""
+
+    groups = ("rollout", "task")
+
+    @staticmethod
+    def check_config(cfg: DictConfig, problems: list[str]) -> None:
+        for key in OnPolicyGeneration.groups:
+            if cfg.get(key) is None:
+                problems.append(f"{key}: required by data=generate")
+        trainer, strategy, advantage = cfg.get("trainer"), cfg.get("strategy"), cfg.get("advantage")
+        if isinstance(trainer, DictConfig) and trainer.get("docs_per_step"):
+            problems.append("trainer.docs_per_step: with data=generate a step is the rollouts it sampled "
+                            "(rollout.prompts_per_step x rollout.group_size per process); use it with data=rollouts")
+        if isinstance(advantage, DictConfig) and advantage.get("estimator") == "none":
+            problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")
+        if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
+            problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
+        sampled, scored = _number(cfg.get("rollout"), "temperature"), _number(cfg.get("loss"), "temperature")
+        if sampled is not None and scored is not None and sampled != scored:
+            problems.append(
+                f"rollout.temperature: {sampled} differs from loss.temperature={scored}; the trainer must score "
+                "tokens at the sampler's temperature (set loss.temperature alone: rollout.temperature follows it)"
+            )
+
+    def __init__(self, cfg, run_dir: Path) -> None:
+        super().__init__(cfg, run_dir)
+        from hydra.utils import instantiate
+
+        try:
+            self.task = instantiate(cfg.task)
+        except Exception as err:  # a wrong _target_ or argument is the user's to fix
+            raise UserError(f"task: cannot build {cfg.task.get('_target_')}: {err}") from None
+
+    @property
+    def default_vocab_size(self) -> int:
+        return self.task.tokenizer.vocab_size
+
+    def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
+        vocab_size, task_vocab_size = policy.config.vocab_size, self.task.tokenizer.vocab_size
+        if task_vocab_size > vocab_size:
+            raise UserError(f"task: its tokenizer has {task_vocab_size} ids, the model only {vocab_size}")
+        cfg, r = self.cfg, self.cfg.rollout
+
+        def make_source(rank: int, world_size: int) -> OnPolicySource:
+            sampler = HFSampler(policy, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+            generator = OnPolicyRollouts(
+                self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+                max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
+                seed=cfg.seed, rank=rank, world_size=world_size,
+            )
+            name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"
+            return OnPolicySource(generator, max_tokens=cfg.data.max_tokens,
+                                  save_to=self.run_dir / name if r.save else None)
+
+        return make_source

@@ -1,0 +1,56 @@
+"""Faults injected into `rlcli train` runs through the config's ``callbacks`` list (test code only).
+
+A test run adds e.g. ``allow_targets=[fault_injection]
+'callbacks=[{_target_: fault_injection.NanLossAt, step: 2, rank: 1}]'`` with this folder on
+``PYTHONPATH`` (`FAULTS_ENV`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import lightning as L
+
+FAULTS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+
+
+def callbacks_override(target: str, **arguments) -> list[str]:
+    """The overrides that add the callback ``fault_injection.<target>(**arguments)`` to a run."""
+    fields = ", ".join([f"_target_: fault_injection.{target}", *(f"{k}: {v}" for k, v in arguments.items())])
+    return ["allow_targets=[fault_injection]", f"callbacks=[{{{fields}}}]"]
+
+
+class NanLossAt(L.Callback):
+    """Rank ``rank``'s loss (and so its gradient) is NaN in training step ``step``."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def poison(scorer, inputs, output):
+            if pl_module.steps_done + 1 == self.step and pl_module.global_rank == self.rank:
+                loss, partials = output
+                return loss * math.nan, partials
+            return output
+
+        pl_module.scorer.register_forward_hook(poison)
+
+
+class KillDuringSave(L.Callback):
+    """Every process dies once the checkpoint of training step ``step`` is written under its
+    temporary name, before it is renamed: what a kill in the middle of a save leaves behind."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        save = trainer.save_checkpoint
+
+        def save_then_die(*args, **kwargs):
+            save(*args, **kwargs)
+            if pl_module.steps_done == self.step:
+                os._exit(137)
+
+        trainer.save_checkpoint = save_then_die
