@@ -191,7 +191,7 @@ def fused_micro_batch_loss(
     metrics: str = "basic",
     temperature: float = 1.0,
     fp32: bool = False,
-    chunk_tokens: int | str = 0,
+    chunk_tokens: int | str = "auto",
     **loss_options,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """``micro_batch_loss`` of ``token_logprobs(hidden, weight, labels, ...)``, in one pass over the head.

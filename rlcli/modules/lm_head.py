@@ -215,7 +215,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     fp32: bool = False,
-    chunk_tokens: int | str = 0,
+    chunk_tokens: int | str = "auto",
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each label under ``softmax(hidden @ weight.T / temperature)``.
