@@ -61,8 +61,10 @@ def check_bounds(options) -> None:
 class LossInputs:
     """The per-token inputs of a loss besides the new log-probs, all ``[N]`` over whole documents.
 
-    Later work adds fields (the reference and behaviour policies' log-probs); a loss reads only the
-    fields it needs. ``segments`` is computed once from ``document_index``.
+    ``old_logprobs`` is the ratio's denominator: the sampler's log-probs, or the trainer's own at the
+    start of the batch (decoupled PPO). ``behaviour_logprobs`` (the sampler's, when the ratio uses the
+    trainer's) and ``reference_logprobs`` (a reference policy's) are there when a term needs them. A
+    loss reads only the fields it needs. ``segments`` is computed once from ``document_index``.
     """
 
     old_logprobs: torch.Tensor  # [N]
@@ -70,6 +72,8 @@ class LossInputs:
     mask: torch.Tensor  # [N] 1 for labelled tokens, in the dtype of the log-probs
     document_index: torch.Tensor  # [N]
     group_index: torch.Tensor | None = None  # [N]
+    behaviour_logprobs: torch.Tensor | None = None  # [N]
+    reference_logprobs: torch.Tensor | None = None  # [N]
     segments: Segments = field(init=False, repr=False)
 
     def __post_init__(self):
