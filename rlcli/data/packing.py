@@ -23,7 +23,8 @@ class MicroBatch:
     target describes the *next* token: ``labels[i]`` is token ``i + 1`` when that token is a
     completion token of the same document with ``completion_mask == 1``, else ``IGNORE_INDEX``;
     ``old_logprobs[i]`` and ``advantages[i]`` belong to that label token (0 where there is none).
-    ``position_ids`` restart at 0 for every document.
+    ``position_ids`` restart at 0 for every document. ``ref_logprobs`` and ``proximal_logprobs`` are
+    there (like ``old_logprobs``) when every document carries them, else ``None``.
     """
 
     input_ids: torch.Tensor  # [L] long
@@ -34,6 +35,8 @@ class MicroBatch:
     mask: torch.Tensor  # [L] float32, 1.0 where labels >= 0
     document_index: torch.Tensor  # [L] long, 0-based document within this micro-batch
     documents: list[Rollout]
+    ref_logprobs: torch.Tensor | None = None  # [L] float32
+    proximal_logprobs: torch.Tensor | None = None  # [L] float32
 
     @property
     def num_documents(self) -> int:
@@ -57,6 +60,23 @@ class MicroBatch:
         return per_document[self.document_index]  # [L]
 
 
+def _label_values(rollouts: Sequence[Rollout], values_of) -> torch.Tensor:
+    """``[L]`` float32: ``values_of(doc)[i]`` at the position that predicts completion token i when it is
+    trained on, else 0 (the layout of ``labels``)."""
+    out: list[float] = []
+    for doc in rollouts:
+        out += [0.0] * (len(doc.prompt_ids) - 1)  # prompt positions before the last predict prompt tokens
+        out += [value if keep else 0.0 for value, keep in zip(values_of(doc), doc.completion_mask)]
+        out.append(0.0)  # the document's last token predicts nothing inside the document
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _optional_label_values(rollouts: Sequence[Rollout], field: str) -> torch.Tensor | None:
+    if any(getattr(doc, field) is None for doc in rollouts):
+        return None
+    return _label_values(rollouts, lambda doc: getattr(doc, field))
+
+
 def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
     """Concatenate ``rollouts`` (each with advantages set) into one ``MicroBatch``."""
     if not rollouts:
@@ -64,8 +84,6 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
     input_ids: list[int] = []
     position_ids: list[int] = []
     labels: list[int] = []
-    old_logprobs: list[float] = []
-    advantages: list[float] = []
     document_index: list[int] = []
     for d, doc in enumerate(rollouts):
         if doc.advantages is None:
@@ -74,28 +92,21 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
         position_ids += range(doc.num_tokens)
         document_index += [d] * doc.num_tokens
         # Prompt positions before the last predict prompt tokens: no label.
-        before = len(doc.prompt_ids) - 1
-        labels += [IGNORE_INDEX] * before
-        old_logprobs += [0.0] * before
-        advantages += [0.0] * before
+        labels += [IGNORE_INDEX] * (len(doc.prompt_ids) - 1)
         # From the last prompt token on, position i predicts completion token i + 1.
-        completion = zip(doc.completion_ids, doc.completion_mask, doc.old_logprobs, doc.advantages)
-        for token, keep, old, adv in completion:
-            labels.append(token if keep else IGNORE_INDEX)
-            old_logprobs.append(old if keep else 0.0)
-            advantages.append(adv if keep else 0.0)
+        labels += [token if keep else IGNORE_INDEX for token, keep in zip(doc.completion_ids, doc.completion_mask)]
         # The document's last token predicts nothing inside the document.
         labels.append(IGNORE_INDEX)
-        old_logprobs.append(0.0)
-        advantages.append(0.0)
     labels_tensor = torch.tensor(labels, dtype=torch.long)  # [L]
     return MicroBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         position_ids=torch.tensor(position_ids, dtype=torch.long),
         labels=labels_tensor,
-        old_logprobs=torch.tensor(old_logprobs, dtype=torch.float32),
-        advantages=torch.tensor(advantages, dtype=torch.float32),
+        old_logprobs=_label_values(rollouts, lambda doc: doc.old_logprobs),
+        advantages=_label_values(rollouts, lambda doc: doc.advantages),
         mask=(labels_tensor >= 0).to(torch.float32),
         document_index=torch.tensor(document_index, dtype=torch.long),
         documents=list(rollouts),
+        ref_logprobs=_optional_label_values(rollouts, "ref_logprobs"),
+        proximal_logprobs=_optional_label_values(rollouts, "proximal_logprobs"),
     )

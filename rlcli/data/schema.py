@@ -19,6 +19,8 @@ class Rollout:
 
     ``old_logprobs``, ``advantages`` and ``completion_mask`` hold one value per completion token.
     ``advantages`` is ``None`` until an advantage estimator fills it from ``reward``.
+    ``ref_logprobs`` are a reference policy's log-probs when the record carries them;
+    ``proximal_logprobs`` are the trainer's own at the start of a batch, when it computes them.
     ``source`` is where the record came from (``"a.jsonl:12"``, 1-based line, or
     ``"b.parquet:row 3"``, 0-based row); ``index`` is its position among the dataset's documents.
     """
@@ -33,6 +35,8 @@ class Rollout:
     temperature: float | None
     source: str
     index: int
+    ref_logprobs: tuple[float, ...] | None = None
+    proximal_logprobs: tuple[float, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,10 +98,7 @@ def _parse(
     prompt_ids = _token_ids(raw, "prompt_ids", vocab_size)
     completion_ids = _token_ids(raw, "completion_ids", vocab_size)
     length = len(completion_ids)
-    old_logprobs = _numbers(_required(raw, "old_logprobs"), "old_logprobs", length)
-    for i, value in enumerate(old_logprobs):
-        if value > 0:
-            raise _Invalid("old_logprobs", f"element {i} is {value}, a log-probability must be <= 0")
+    old_logprobs = _logprobs(_required(raw, "old_logprobs"), "old_logprobs", length)
     advantages = _advantages(raw, length)
     reward = _optional_number(raw, "reward")
     if advantages is None and reward is None:
@@ -105,6 +106,7 @@ def _parse(
     group_id = _group_id(raw)
     completion_mask = _completion_mask(raw, length)
     temperature = _optional_number(raw, "temperature")
+    ref_logprobs = None if raw.get("ref_logprobs") is None else _logprobs(raw["ref_logprobs"], "ref_logprobs", length)
     if temperature is not None and temperature <= 0:
         raise _Invalid("temperature", f"is {temperature}, must be > 0")
     num_tokens = len(prompt_ids) + length
@@ -125,6 +127,7 @@ def _parse(
         temperature=temperature,
         source=source,
         index=index,
+        ref_logprobs=ref_logprobs,
     )
 
 
@@ -160,6 +163,14 @@ def _numbers(value: Any, field: str, length: int) -> tuple[float, ...]:
     if len(values) != length:
         raise _Invalid(field, f"has {len(values)} values but completion_ids has {length}")
     return tuple(_finite(v, field, f"element {i}") for i, v in enumerate(values))
+
+
+def _logprobs(value: Any, field: str, length: int) -> tuple[float, ...]:
+    values = _numbers(value, field, length)
+    for i, v in enumerate(values):
+        if v > 0:
+            raise _Invalid(field, f"element {i} is {v}, a log-probability must be <= 0")
+    return values
 
 
 def _finite(value: Any, field: str, what: str) -> float:

@@ -19,6 +19,7 @@ def append_jsonl(rollouts: Sequence[Rollout], path: str | Path) -> None:
                 "prompt_ids": list(r.prompt_ids),
                 "completion_ids": list(r.completion_ids),
                 "old_logprobs": list(r.old_logprobs),
+                "ref_logprobs": None if r.ref_logprobs is None else list(r.ref_logprobs),
                 "advantages": None if r.advantages is None else list(r.advantages),
                 "reward": r.reward,
                 "group_id": r.group_id,

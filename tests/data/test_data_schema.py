@@ -88,3 +88,25 @@ def test_with_advantages_returns_a_copy(record):
     assert updated.source == rollout.source and updated.index == rollout.index
     with pytest.raises(ValueError, match="f.jsonl:7"):
         rollout.with_advantages([1.0])
+
+
+def test_ref_logprobs_are_read_when_given_and_follow_the_log_probability_rules(record):
+    assert validate(record()).ref_logprobs is None
+    assert validate(record(ref_logprobs=[-0.25, 0])).ref_logprobs == (-0.25, 0.0)
+    for bad, reason in [([-0.1], "has 1 values but completion_ids has 2"), ([-0.1, 0.5], "element 1 is 0.5"),
+                        ([-0.1, float("nan")], "element 1 is nan"), ("x", "expected a list of numbers")]:
+        with pytest.raises(RecordError, match="ref_logprobs") as error:
+            validate(record(ref_logprobs=bad))
+        assert reason in str(error.value)
+
+
+def test_micro_batches_carry_ref_logprobs_at_the_label_positions(record):
+    from rlcli.data.packing import make_micro_batch
+
+    docs = [validate(record(ref_logprobs=[-0.25, -0.5], completion_mask=[1, 0])).with_advantages([1.0, 1.0]),
+            validate(record(ref_logprobs=[-1.5, -2.0])).with_advantages([1.0, 1.0])]
+    batch = make_micro_batch(docs)
+    # prompt [1,2,3] + completion [4,5]: positions 2, 3 predict the completion; the second token is masked out
+    assert batch.ref_logprobs.tolist() == [0, 0, -0.25, 0, 0] + [0, 0, -1.5, -2.0, 0]
+    assert batch.proximal_logprobs is None
+    assert make_micro_batch(docs[:1] + [validate(record()).with_advantages([1.0, 1.0])]).ref_logprobs is None
