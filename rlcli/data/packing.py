@@ -50,6 +50,17 @@ class MicroBatch:
     def num_labelled(self) -> int:
         return int(self.mask.sum().item())
 
+    def completion_values(self, values: torch.Tensor) -> list[tuple[float, ...]]:
+        """``[L]`` values at the label positions -> one tuple per document, a value per completion token
+        (the inverse of how ``old_logprobs`` is laid out; 0 for tokens that are not trained on)."""
+        values = torch.where(self.mask > 0, values.detach().to("cpu", torch.float32), 0.0).tolist()
+        out, start = [], 0
+        for doc in self.documents:
+            first = start + len(doc.prompt_ids) - 1  # the position that predicts the first completion token
+            out.append(tuple(values[first : first + len(doc.completion_ids)]))
+            start += doc.num_tokens
+        return out
+
     def group_index(self, group_to_index: Mapping[Hashable, int]) -> torch.Tensor:
         """``[L]`` long: ``group_to_index[group_id]`` of each position's document.
 

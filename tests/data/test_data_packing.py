@@ -141,3 +141,15 @@ def test_empty_input():
     assert list(pack_documents([], max_tokens=10)) == []
     with pytest.raises(ValueError, match="at least one document"):
         make_micro_batch([])
+
+
+def test_completion_values_invert_the_label_layout():
+    from rlcli.data.packing import make_micro_batch
+    from rlcli.data.schema import validate_record
+
+    records = [dict(prompt_ids=[1, 2], completion_ids=[3, 4, 5], old_logprobs=[-0.5, -0.25, -2.0],
+                    completion_mask=[1, 0, 1], advantage=1.0),
+               dict(prompt_ids=[6], completion_ids=[7], old_logprobs=[-3.0], advantage=1.0)]
+    docs = [validate_record(r, source=f"x:{i}", index=i, vocab_size=10) for i, r in enumerate(records)]
+    batch = make_micro_batch(docs)
+    assert batch.completion_values(batch.old_logprobs) == [(-0.5, 0.0, -2.0), (-3.0,)]

@@ -1,0 +1,106 @@
+"""Several optimizer updates per collected batch: ``trainer.minibatches`` × ``trainer.batch_epochs``.
+
+A batch (a generated step, a ``docs_per_step`` step or a static step) is split into ``minibatches``
+parts of whole groups, so that a group never spans two updates and ``prompt_mean`` stays exact on
+every rank: groups are numbered the same on every rank, a seeded permutation of them (new for every
+epoch) is cut into ``minibatches`` runs of nearly equal size, and each rank packs its documents of a
+run into micro-batches. One part is one update. With one mini-batch the batch's own micro-batches
+are the update, in every epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from rlcli.data.document_stream import pack_documents
+from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.schema import Rollout
+from rlcli.errors import UserError
+from rlcli.training import distributed
+
+
+@dataclass
+class Update:
+    """This rank's micro-batches of one optimizer update, and what the metrics row reports of its batch."""
+
+    micro_batches: list[MicroBatch]
+    stats: dict[str, float] = field(default_factory=dict)
+    carried_over: int = 0
+
+
+def _epoch_seed(seed: int, batch: int, epoch: int) -> int:
+    digest = hashlib.sha256(f"rlcli-minibatches/{seed}/{batch}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def minibatch_of_groups(num_groups: int, minibatches: int, seed: int) -> torch.Tensor:
+    """``[G]`` long: the mini-batch of each group, a seeded permutation cut into ``minibatches`` runs
+    whose sizes differ by at most one."""
+    order = torch.randperm(num_groups, generator=torch.Generator().manual_seed(seed))  # [G] groups in run order
+    runs = torch.arange(num_groups) * minibatches // num_groups  # [G] run of each position
+    return torch.empty_like(order).scatter_(0, order, runs)
+
+
+class BatchPlan:
+    """The updates of one batch, in order: ``epochs`` passes over ``minibatches`` parts of it."""
+
+    def __init__(self, micro_batches: list[MicroBatch], *, minibatches: int, epochs: int, seed: int, batch: int,
+                 max_tokens: int, stats: dict | None = None, carried_over: int = 0, done: int = 0) -> None:
+        self.micro_batches = micro_batches
+        self.minibatches = minibatches
+        self.epochs = epochs
+        self.seed = seed
+        self.batch = batch
+        self.max_tokens = max_tokens
+        self.stats = stats or {}
+        self.carried_over = carried_over
+        self.done = done  # updates already handed out
+        documents = [doc for micro_batch in micro_batches for doc in micro_batch.documents]
+        self.documents = documents
+        self.numbering = distributed.step_group_numbering([doc.group_id for doc in documents])
+        if minibatches > 1 and minibatches > len(self.numbering):
+            raise UserError(
+                f"trainer.minibatches={minibatches} is more than the {len(self.numbering)} groups of batch {batch}; "
+                "a group is never split between updates: lower trainer.minibatches or collect larger batches"
+            )
+
+    @property
+    def remaining(self) -> int:
+        return self.minibatches * self.epochs - self.done
+
+    def next_update(self) -> Update:
+        """The next update's micro-batches (on this rank: possibly none)."""
+        epoch, part = divmod(self.done, self.minibatches)
+        self.done += 1
+        carried = self.carried_over if self.done == 1 else 0  # reported once, with the batch's first update
+        if self.minibatches == 1:
+            return Update(self.micro_batches, self.stats, carried)
+        runs = minibatch_of_groups(len(self.numbering), self.minibatches, _epoch_seed(self.seed, self.batch, epoch))
+        mine = [doc for doc in self.documents if runs[self.numbering[doc.group_id]] == part]
+        return Update(list(pack_documents(mine, self.max_tokens)), self.stats, carried)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to hand out the rest of this batch: its documents (with the trainer's
+        log-probs), in their micro-batches, as plain values."""
+        return {
+            "micro_batches": [[_document_state(doc) for doc in mb.documents] for mb in self.micro_batches],
+            "batch": self.batch, "done": self.done, "stats": dict(self.stats), "carried_over": self.carried_over,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, *, minibatches: int, epochs: int, seed: int, max_tokens: int) -> BatchPlan:
+        micro_batches = [make_micro_batch([_document(doc) for doc in docs]) for docs in state["micro_batches"]]
+        return cls(micro_batches, minibatches=minibatches, epochs=epochs, seed=seed, batch=state["batch"],
+                   max_tokens=max_tokens, stats=state["stats"], carried_over=state["carried_over"],
+                   done=state["done"])
+
+
+def _document_state(doc: Rollout) -> dict:
+    return {name: list(value) if isinstance(value, tuple) else value for name, value in vars(doc).items()}
+
+
+def _document(state: dict) -> Rollout:
+    return Rollout(**{name: tuple(value) if isinstance(value, list) else value for name, value in state.items()})
