@@ -7,7 +7,9 @@ its own options: ``python -m benchmarks.NAME --help``.
   the 6·N·H·V floor at the measured matmul rate;
 * ``throughput``: packed micro-batches (pack_documents + TokenScorer + fused head and loss) against a
   padded loop;
-* ``docs_per_step``: the document-count all-reduce overhead (CPU, gloo).
+* ``docs_per_step``: the document-count all-reduce overhead (CPU, gloo);
+* ``loss_terms``: a step with ``loss.old_logprobs=recompute`` and one with a KL penalty to a reference
+  model, against a plain step.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import docs_per_step, lm_head, throughput
+from benchmarks import docs_per_step, lm_head, loss_terms, throughput
 
 # the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
 DEFAULT_CHUNK_TOKENS = "auto"
@@ -39,7 +41,13 @@ def _docs_per_step(device: str, json_path: Path | None):
     return docs_per_step.main(["--json", str(json_path)] if json_path else [])
 
 
-BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step}
+def _loss_terms(device: str, json_path: Path | None):
+    argv = ["--chunk-tokens", DEFAULT_CHUNK_TOKENS, "--device", device]
+    return loss_terms.main(argv + (["--json", str(json_path)] if json_path else []))
+
+
+BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
+              "loss_terms": _loss_terms}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from pathlib import Path
 
 import lightning as L
+import torch
 from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.console import RichConsole
 from rlcli.callbacks.preemption import StopOnSignal
-from rlcli.conf.schema import TrainConfig
+from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
 from rlcli.model.policy import build_policy
@@ -60,6 +62,26 @@ def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strateg
     )
 
 
+def build_reference(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module | None:
+    """The reference policy of the KL penalty when its log-probs come from a model: a frozen copy of the
+    starting weights (``kl.reference=initial``) or a checkpoint; None without a penalty or with the
+    rollouts' own ``ref_logprobs``."""
+    if cfg.kl.coef == 0 or cfg.kl.reference == "rollouts":
+        return None
+    if cfg.kl.reference == "initial":
+        return copy.deepcopy(policy)
+    model = cfg.model
+    reference = build_policy(HFModelConfig(
+        kind="hf", path=cfg.kl.reference, dtype=model.dtype, gradient_checkpointing=False,
+        attn_implementation=model.attn_implementation, trust_remote_code=getattr(model, "trust_remote_code", False),
+        suggested_lr=model.suggested_lr,
+    ))
+    if reference.config.vocab_size != policy.config.vocab_size:
+        raise UserError(f"kl.reference: {cfg.kl.reference} has {reference.config.vocab_size} token ids, "
+                        f"the policy {policy.config.vocab_size}")
+    return reference
+
+
 def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trainer]:
     """Policy, data, module and trainer of a validated config (seed the RNGs first); ``resolved`` is the
     same config as Hydra composed it, for the console and the loggers."""
@@ -67,8 +89,8 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tup
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
     module = PolicyModule(
-        policy, cfg.loss, cfg.aggregation, cfg.metrics.level,
+        policy, cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction, cfg.trainer,
         partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps), data.source_factory(policy),
-        grad_clip=cfg.trainer.grad_clip, max_bad_steps=cfg.trainer.max_bad_steps, shard=shard,
+        seed=cfg.seed, max_tokens=cfg.data.max_tokens, reference=build_reference(cfg, policy), shard=shard,
     )
     return module, build_trainer(cfg, resolved, run_dir, strategy)

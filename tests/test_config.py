@@ -17,6 +17,7 @@ GROUP_OPTIONS = [
     "logger=csv", "logger=none", "logger=wandb", "logger=tensorboard", "logger=[wandb,tensorboard]",
     "strategy=ddp", "strategy=fsdp2 data=rollouts", "experiment=gspo_dr", "task=addition", "task=reverse",
     "launcher=local", "launcher=slurm",
+    "loss=cispo", "loss=sapo", "loss=gspo_token",
 ]
 
 
@@ -131,7 +132,7 @@ def test_cli_cfg_job_prints_the_composed_config(tmp_path):
 def test_cli_help_lists_the_groups(tmp_path):
     result = run_rlcli(["train", "--help"], cwd=tmp_path)
     assert result.returncode == 0
-    for group in ("loss: grpo, gspo", "aggregation:", "metrics:", "model:"):
+    for group in ("loss: cispo, grpo, gspo, gspo_token, sapo", "aggregation:", "metrics:", "model:"):
         assert group in result.stdout
 
 
@@ -197,3 +198,30 @@ def test_the_library_defaults_are_the_config_defaults():
         parameters = inspect.signature(function).parameters
         defaults = {name: parameters[name].default for name in expected if name in parameters}
         assert defaults == {name: expected[name] for name in defaults}, function.__name__
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["kl.estimator=k4"], "kl.estimator: must be one of ['k1', 'k2', 'k3']"),
+        (["kl.coef=-0.1"], "kl.coef: must be >= 0"),
+        (["correction.mode=truncate", "correction.low=3", "correction.high=2"], "correction.low: 3 is above"),
+        (["correction.mode=clip"], "correction.mode: must be one of"),
+        (["correction.level=word"], "correction.level: must be one of"),
+        (["correction.mode=mask", "loss.old_logprobs=sampler"], "loss.old_logprobs: correction.mode=mask weighs"),
+        (["trainer.minibatches=9"], "trainer.minibatches: 9 is more than the 8 groups of a batch"),
+        (["trainer.minibatches=0"], "trainer.minibatches: must be >= 1"),
+        (["trainer.batch_epochs=0"], "trainer.batch_epochs: must be >= 1"),
+        (["loss.entropy_coef=-1"], "loss.entropy_coef: must be >= 0"),
+        (["kl.coef=0.1", "kl.reference=rollouts"], "kl.reference: rollouts reads the records' ref_logprobs"),
+        (["data=rollouts", "strategy=fsdp2", "kl.coef=0.1"], "kl.reference: a reference model runs with"),
+    ],
+)
+def test_the_terms_of_the_loss_family_are_checked_with_the_rest(overrides, expected):
+    problems = problems_of(overrides)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_a_mismatch_correction_makes_the_ratio_use_the_trainer_log_probs():
+    assert validate_config(compose_train_config()).loss.old_logprobs == "sampler"
+    assert validate_config(compose_train_config(["correction.mode=truncate"])).loss.old_logprobs == "recompute"

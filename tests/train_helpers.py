@@ -21,10 +21,10 @@ def compose_train_config(overrides: list[str] = ()):
 
 
 def run_rlcli(
-    args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled"
+    args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled", extra_env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m rlcli ARGS`` in ``cwd``, output captured; wandb never goes online."""
-    env = dict(os.environ, WANDB_MODE=wandb_mode, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, WANDB_MODE=wandb_mode, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     return subprocess.run(
         [sys.executable, "-m", "rlcli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -10,8 +10,15 @@ def example_path(name: str) -> str:
     return str(files("rlcli.examples") / name)
 
 
+def ratio_denominator(correction_mode: str) -> str:
+    """The default of ``loss.old_logprobs``: ``recompute`` when a mismatch correction needs the
+    trainer's own log-probs, else ``sampler``."""
+    return "sampler" if correction_mode == "none" else "recompute"
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rlcli_example", example_path, replace=True)
+    OmegaConf.register_new_resolver("rlcli_ratio_denominator", ratio_denominator, replace=True)
 
 
 register_resolvers()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from rlcli.modules import AGGREGATIONS, METRIC_LEVELS, PolicyLoss
+from rlcli.modules import AGGREGATIONS, CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, METRIC_LEVELS, PolicyLoss
 from rlcli.rollout.advantages import ESTIMATORS
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -38,7 +38,24 @@ class LossConfig:
     temperature: float = bounded(gt=0)
     fp32_lm_head: bool
     chunk_tokens: Union[int, Literal["auto"]] = bounded(ge=0)
+    old_logprobs: Literal["sampler", "recompute"]
+    entropy_coef: float = bounded(ge=0)
     objective: PolicyLoss = built()  # the loss object, with the group's remaining keys as options
+
+
+@dataclass
+class KLConfig:
+    coef: float = bounded(ge=0)
+    estimator: Literal[KL_ESTIMATORS]
+    reference: str  # initial | rollouts | a model path
+
+
+@dataclass
+class CorrectionConfig:
+    mode: Literal[CORRECTION_MODES]
+    level: Literal[CORRECTION_LEVELS]
+    low: float = bounded(gt=0)
+    high: float = bounded(gt=0)
 
 
 @dataclass
@@ -140,6 +157,8 @@ class SGDConfig(_OptimizerConfig):
 class TrainerConfig:
     max_steps: int = bounded(ge=1)
     accumulate_microbatches: int = bounded(ge=1)
+    minibatches: int = bounded(ge=1)
+    batch_epochs: int = bounded(ge=1)
     grad_clip: float = bounded(ge=0)
     max_bad_steps: int = bounded(ge=1)
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"]
@@ -208,6 +227,8 @@ class TrainConfig:
     allow_targets: list[str]
     callbacks: list[Any]  # extra Lightning callbacks, each a `_target_` and its arguments
     loss: LossConfig
+    kl: KLConfig
+    correction: CorrectionConfig
     aggregation: AggregationConfig
     metrics: MetricsConfig
     model: Union[TinyModelConfig, HFModelConfig]

@@ -282,6 +282,7 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
         if cfg.get(group) is not None and (kind is None or group not in kind.groups):
             users = [name for name, k in DATA_KINDS.items() if group in k.groups]
             problems.append(f"{group}: only used with data={'|'.join(users)}")
+    _check_loss_terms(cfg, problems)
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check
@@ -293,6 +294,31 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
         )
     if name != "constant" and divisor is not None:
         problems.append(f"aggregation.divisor: only valid with aggregation=constant, not {name!r}")
+
+
+def _group(cfg: DictConfig, name: str) -> DictConfig:
+    node = cfg.get(name)
+    return node if isinstance(node, DictConfig) else DictConfig({})
+
+
+def _check_loss_terms(cfg: DictConfig, problems: list[str]) -> None:
+    """What the KL penalty, the mismatch correction and the ratio's denominator need of each other."""
+    loss, kl, correction = _group(cfg, "loss"), _group(cfg, "kl"), _group(cfg, "correction")
+    strategy, data = _group(cfg, "strategy"), _group(cfg, "data")
+    if correction.get("mode", "none") != "none" and loss.get("old_logprobs") == "sampler":
+        problems.append(f"loss.old_logprobs: correction.mode={correction.get('mode')} weighs the trainer's own "
+                        "log-probs against the sampler's, so the ratio needs loss.old_logprobs=recompute")
+    low, high = correction.get("low"), correction.get("high")
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) and low > high:
+        problems.append(f"correction.low: {low} is above correction.high={high}")
+    coef = kl.get("coef")
+    if not (isinstance(coef, (int, float)) and coef > 0):
+        return
+    if kl.get("reference") == "rollouts" and data.get("kind") != "rollouts":
+        problems.append("kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts")
+    if kl.get("reference") != "rollouts" and strategy.get("name") in ("fsdp", "fsdp2"):
+        problems.append("kl.reference: a reference model runs with strategy=auto or ddp; with fsdp/fsdp2 give "
+                        "the rollouts' ref_logprobs (kl.reference=rollouts)")
 
 
 def resolve_config(cfg: DictConfig) -> DictConfig:

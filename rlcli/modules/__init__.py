@@ -4,19 +4,32 @@ Nothing here knows about Lightning or torch.distributed.
 """
 
 from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
-from rlcli.modules.fused_head import fused_micro_batch_loss
+from rlcli.modules.fused_head import fused_micro_batch_loss, head_logprobs
 from rlcli.modules.lm_head import auto_chunk_tokens, token_logprobs
 from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, RatioUnits, make_loss, register_loss
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
 from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss, policy_loss
+from rlcli.modules.regularizers import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    KL_ESTIMATORS,
+    Correction,
+    KLPenalty,
+    check_term_options,
+)
 from rlcli.modules.segments import Segments
 
 __all__ = [
     "AGGREGATIONS",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "GRPO",
     "GSPO",
+    "KL_ESTIMATORS",
     "LOSSES",
     "METRIC_LEVELS",
+    "Correction",
+    "KLPenalty",
     "LossInputs",
     "MetricPartials",
     "PolicyLoss",
@@ -25,8 +38,10 @@ __all__ = [
     "StepTotals",
     "auto_chunk_tokens",
     "check_policy_loss_options",
+    "check_term_options",
     "finalize_metrics",
     "fused_micro_batch_loss",
+    "head_logprobs",
     "make_loss",
     "metric_partials",
     "micro_batch_loss",

@@ -18,6 +18,27 @@ not fit one chunk: it is cut into pieces of ``chunk_tokens`` (the first takes th
 log-probs are computed first, then the gradients, the last piece's from the buffer still held and
 the others' from recomputed logits: ``2·(length - chunk_tokens)·H·V`` more operations for the
 document. The backward only scales the stored gradients by the incoming scalar.
+
+The terms of `rlcli.modules.regularizers` go through the same autograd on the chunk's ``[C]``
+tensors. The KL term and the correction change ``g`` only (the correction's weights depend on the
+inputs alone, so they are computed once for the micro-batch and a chunk need not hold whole
+documents for them). The entropy bonus also needs ``dL/dH`` (``gH``, by the same autograd, on the
+chunk's entropies): with ``a`` the raw logits, ``z = a / T``, ``p = softmax(z)``, ``H = −Σ p log p``,
+
+    dH/dz_j = −p_j (log p_j + H)         (dp_k/dz_j = p_k (1[k = j] − p_j), Σ p = 1)
+    dL/da_j = [g (1[j = y] − p_j) − gH p_j (log p_j + H)] / T
+
+so in place of ``s · P`` the buffer becomes ``Q = P ⊙ (s + (gH / T)(log P + H))``. It holds
+``e = exp(y)``, ``y = z − max z``, ``Σ e = S``, so ``log p = y − log S`` and ``Q = e ⊙ (A + B·y)`` with
+``A = (s + (gH / T)(H − log S)) / S`` and ``B = (gH / T) / S`` per token; ``e·y`` is
+``xlogy(e, e)`` (0 where ``e`` underflowed). With the bonus on, each chunk costs one more
+elementwise pass over its ``[V, C]`` buffer (a log, two multiplies and an add per element, in blocks
+of `ENTROPY_BLOCK_ELEMENTS`) and the forward computes the entropies (as ``metrics="with_entropy"``
+does); the matrix products, 6·N·H·V, and the one ``[V, C]`` buffer stay as they are.
+
+`head_logprobs` scores a micro-batch without gradients through exactly the chunks and the code of
+`fused_micro_batch_loss`: its log-probs are the fused loss's own, bit for bit, so a trainer can get
+its proximal (and a reference model's) log-probs with ratio 1 and ``kl_ref`` 0 exactly.
 """
 
 from __future__ import annotations
@@ -36,9 +57,10 @@ from rlcli.modules.lm_head import (
     labels_and_valid,
     resolve_chunk_tokens,
 )
-from rlcli.modules.losses import LossInputs, PolicyLoss
+from rlcli.modules.losses import LOSSES, LossInputs, PolicyLoss, make_loss
 from rlcli.modules.metrics import MetricPartials
 from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss
+from rlcli.modules.regularizers import Correction, KLPenalty, Terms, importance_weights, token_losses
 
 # entropies are summed over blocks of vocabulary rows of at most this many elements (bounds the temporaries)
 ENTROPY_BLOCK_ELEMENTS = 1 << 22
@@ -62,6 +84,18 @@ class _Head:
                             self.acc_dtype, vocab_major=True)
 
 
+def _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens) -> tuple[_Head, int]:
+    """Check the head's arguments; the head in the dtypes of its chunks, and ``chunk_tokens`` as a number."""
+    check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
+    chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
+    head_hidden, head_weight = head_operands(hidden, weight, fp32)
+    compute_dtype = head_compute_dtype(head_hidden.dtype, fp32)
+    acc_dtype = torch.promote_types(compute_dtype, torch.float32)
+    head = _Head(head_hidden.detach(), head_weight.detach().to(compute_dtype), float(temperature),
+                 compute_dtype, acc_dtype)
+    return head, chunk_tokens
+
+
 @dataclass
 class _Scored:
     """A chunk's softmax, kept unnormalised: ``P = exps / sums`` column by column."""
@@ -72,14 +106,19 @@ class _Scored:
     entropy: torch.Tensor | None  # [R], 0 where the label is ignored
 
 
-def _exp_with_dot(shifted: torch.Tensor) -> torch.Tensor:
-    """Exponentiate ``shifted`` [V, R] in place, in blocks of rows; return ``Σ_v exp(y_v) y_v`` [R]."""
+def _exponentiate(shifted: torch.Tensor, with_dot: bool) -> torch.Tensor | None:
+    """Exponentiate ``shifted`` [V, R] in place, in blocks of rows; with ``with_dot`` return
+    ``Σ_v exp(y_v) y_v`` [R]. The blocks are the same either way, so are the exponentials, bit for
+    bit: a chunk's log-probs do not depend on whether its entropies are computed."""
     block = max(1, ENTROPY_BLOCK_ELEMENTS // shifted.shape[1])
-    dot = shifted.new_zeros(shifted.shape[1])  # [R]
+    dot = shifted.new_zeros(shifted.shape[1]) if with_dot else None  # [R]
     for y in shifted.split(block):  # [b, R], contiguous
-        e = y.exp()  # [b, R]
-        dot += y.mul_(e).sum(0)
-        y.copy_(e)
+        if with_dot:
+            e = y.exp()  # [b, R]
+            dot += y.mul_(e).sum(0)
+            y.copy_(e)
+        else:
+            y.exp_()
     return dot
 
 
@@ -92,10 +131,7 @@ def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: 
     exps.sub_(exps.amax(0))  # y, in place
     safe_labels, valid = labels_and_valid(labels)
     picked = exps[safe_labels, torch.arange(rows.numel(), device=rows.device)]  # [R]
-    if with_entropy:
-        dot = _exp_with_dot(exps)  # [R]
-    else:
-        exps.exp_()
+    dot = _exponentiate(exps, with_entropy)  # [R] | None
     sums = exps.sum(0)  # [R]
     log_sums = sums.log()
     logprobs = torch.where(valid, picked - log_sums, 0.0)
@@ -103,27 +139,50 @@ def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: 
     return _Scored(exps, sums, logprobs, entropy)
 
 
-def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidden, grad_weight) -> None:
-    """Add the rows' head gradients for ``d L / d z = scale * (onehot(y) - P)``, ``P = exps / sums``.
+def _fold_entropy_gradient(scored: _Scored, scale, entropy_scale, entropy) -> None:
+    """Turn ``scored.exps`` (``e``) into ``Q = P ⊙ (scale + entropy_scale (log P + H))`` in place, in
+    blocks of rows: ``Q = e ⊙ (A + B y)`` with ``y = log e``, ``A = (scale + entropy_scale (H − log S)) / S``,
+    ``B = entropy_scale / S`` [R] (see the module's docstring)."""
+    exps, sums = scored.exps, scored.sums
+    a = (scale + entropy_scale * (entropy - sums.log())) / sums  # [R]
+    b = entropy_scale / sums  # [R]
+    block = max(1, ENTROPY_BLOCK_ELEMENTS // exps.shape[1])
+    for e in exps.split(block):  # [b, R], contiguous
+        ey = torch.xlogy(e, e)  # [b, R] e·y, 0 where e underflowed to 0
+        e.mul_(a).add_(ey.mul_(b))
 
-    scored.exps [V, R] is consumed; scale [R] = (dL/dlp) / T, 0 where the label is ignored. The
-    ``1 / sums`` of ``P`` is applied to the ``[R, H]`` operands, never as a pass over ``[V, R]``.
+
+def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidden, grad_weight,
+                   entropy_scale=None, entropy=None) -> None:
+    """Add the rows' head gradients for ``d L / d z = scale * (onehot(y) - P)``, ``P = exps / sums``,
+    and with ``entropy_scale`` [R] (``(dL/dH) / T``) the entropy's ``− entropy_scale · P ⊙ (log P + H)``.
+
+    scored.exps [V, R] is consumed; scale [R] = (dL/dlp) / T, both 0 where the label is ignored.
+    Without the entropy term the ``1 / sums`` of ``P`` is applied to the ``[R, H]`` operands, never as a
+    pass over ``[V, R]``; with it, one pass over the buffer folds in everything (`_fold_entropy_gradient`).
     """
     safe_labels, _ = labels_and_valid(labels)
+    if entropy_scale is not None:
+        _fold_entropy_gradient(scored, scale, entropy_scale, entropy)  # the buffer is Q: no more scaling
+        p_scale = None
+    else:
+        p_scale = (scale / scored.sums)[:, None]  # [R, 1]
     exps = scored.exps.to(head.compute_dtype)  # [V, R], a no-op unless a half matmul
     scored.exps = None
-    p_scale = (scale / scored.sums)[:, None]  # [R, 1]
     if grad_hidden is not None:
         ew = (exps.T @ head.weight).to(head.acc_dtype)  # [R, H]
+        if p_scale is not None:
+            ew.mul_(p_scale)
         label_rows = head.weight.index_select(0, safe_labels).to(head.acc_dtype)  # [R, H]
-        grad_hidden[rows] = label_rows.mul_(scale[:, None]).sub_(ew.mul_(p_scale))  # [R, H]
+        grad_hidden[rows] = label_rows.mul_(scale[:, None]).sub_(ew)  # [R, H]
     if grad_weight is not None:
         h = head.hidden[rows].to(head.acc_dtype)  # [R, H]
+        h_scaled = h * p_scale if p_scale is not None else h  # [R, H]
         if head.compute_dtype == head.acc_dtype:
-            grad_weight.addmm_(exps, h * p_scale, alpha=-1)  # [V, H], no temporary
+            grad_weight.addmm_(exps, h_scaled, alpha=-1)  # [V, H], no temporary
         else:
-            grad_weight -= (exps @ (h * p_scale).to(head.compute_dtype)).to(head.acc_dtype)
-        grad_weight.index_add_(0, safe_labels, h.mul_(scale[:, None]))  # the one-hot term
+            grad_weight -= (exps @ h_scaled.to(head.compute_dtype)).to(head.acc_dtype)
+        grad_weight.index_add_(0, safe_labels, h.mul_(scale[:, None]))  # the one-hot term (after the product)
 
 
 def _slices(m: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -154,6 +213,35 @@ def _chunks(documents: torch.Tensor, chunk_tokens: int, whole_documents: bool) -
     return chunks
 
 
+def _labelled_chunks(mask, document_index, chunk_tokens: int, sequence_level: bool):
+    """The labelled rows ``[M]`` (``mask > 0``, each document's rows together) and their chunks."""
+    rows = torch.nonzero(mask > 0).flatten()
+    rows = rows[torch.argsort(document_index[rows], stable=True)]
+    return rows, _chunks(document_index[rows], chunk_tokens, whole_documents=sequence_level)
+
+
+def _score_chunk(head: _Head, labels, chunk_rows, chunk_tokens: int, with_entropy: bool, logprobs, entropy):
+    """Score one chunk into ``logprobs`` (and ``entropy``) [N], piece by piece (one piece unless a
+    document of a sequence-level loss is longer than a chunk); return the pieces and the last
+    piece's `_Scored` (its buffer is the only one alive)."""
+    pieces = _slices(chunk_rows.numel(), chunk_tokens)
+    scored = None
+    for s, e in pieces:
+        piece = chunk_rows[s:e]
+        scored = None  # free the previous buffer before the next one exists
+        scored = _score(head, piece, labels[piece], with_entropy)
+        logprobs[piece] = scored.logprobs
+        if with_entropy:
+            entropy[piece] = scored.entropy
+    return pieces, scored
+
+
+def _sequence_level(loss: str | PolicyLoss) -> bool:
+    if isinstance(loss, str) and loss in LOSSES:
+        return LOSSES[loss].sequence_level  # a class attribute: no need to build the loss
+    return make_loss(loss).sequence_level  # an instance as is, or the registry's ValueError
+
+
 class _WithGradients(torch.autograd.Function):
     """``value`` with gradients for ``hidden`` and ``weight`` that were computed in the forward."""
 
@@ -174,6 +262,37 @@ class _WithGradients(torch.autograd.Function):
         return None, grad_hidden, grad_weight, None, None
 
 
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    document_index: torch.Tensor,
+    *,
+    loss: str | PolicyLoss = "grpo",
+    temperature: float = 1.0,
+    fp32: bool = False,
+    chunk_tokens: int | str = "auto",
+) -> torch.Tensor:
+    """The log-probs [N] that `fused_micro_batch_loss` computes for the same arguments, bit for bit.
+
+    No gradient. The labelled positions (``mask > 0``) go through the head in the fused loss's own
+    chunks (which depend on ``mask``, ``document_index``, ``loss`` and ``chunk_tokens``) and code; the
+    others, and labels < 0, get 0. In float32 (float64 for float64 inputs), as the fused loss reads
+    them: given to it as ``old_logprobs`` (proximal) or ``reference_logprobs`` they give ratio 1 and
+    ``kl_ref = 0`` exactly while the head is unchanged.
+    """
+    sequence_level = _sequence_level(loss)
+    head, chunk_tokens = _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens)
+    labels = labels.long()
+    logprobs = torch.zeros(hidden.shape[0], dtype=head.acc_dtype, device=hidden.device)  # [N]
+    rows, chunks = _labelled_chunks(mask.detach().to(head.acc_dtype), document_index, chunk_tokens, sequence_level)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        for start, end in chunks:
+            _score_chunk(head, labels, rows[start:end], chunk_tokens, False, logprobs, None)
+    return logprobs
+
+
 def fused_micro_batch_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -192,6 +311,11 @@ def fused_micro_batch_loss(
     temperature: float = 1.0,
     fp32: bool = False,
     chunk_tokens: int | str = "auto",
+    reference_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    kl: KLPenalty | None = None,
+    entropy_coef: float = 0.0,
+    correction: Correction | None = None,
     **loss_options,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """``micro_batch_loss`` of ``token_logprobs(hidden, weight, labels, ...)``, in one pass over the head.
@@ -200,21 +324,27 @@ def fused_micro_batch_loss(
     ``hidden`` [N, H] and ``weight`` [V, H]; at most ``chunk_tokens × V`` logits exist at once
     (``chunk_tokens = 0``: all labelled tokens in one chunk; ``"auto"``: `auto_chunk_tokens`). The
     gradients are computed during the call, so the returned loss can be backpropagated once.
+    The terms (``reference_logprobs``, ``behaviour_logprobs``, ``kl``, ``entropy_coef``,
+    ``correction``) are those of `policy_loss`; the entropy of the bonus is the head's own, with its
+    gradient.
     """
     loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
                                      **loss_options)
-    check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
-    chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
-    head_hidden, head_weight = head_operands(hidden, weight, fp32)
-    compute_dtype = head_compute_dtype(head_hidden.dtype, fp32)
-    acc_dtype = torch.promote_types(compute_dtype, torch.float32)
-    head = _Head(head_hidden.detach(), head_weight.detach().to(compute_dtype), float(temperature),
-                 compute_dtype, acc_dtype)
+    terms = Terms.of(kl, entropy_coef, correction)
+    terms.require(reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs, entropy=True)
+    head, chunk_tokens = _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens)
+    for name, tensor in dict(reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs).items():
+        if tensor is not None and tensor.shape != labels.shape:
+            raise ValueError(f"{name} must have the shape of labels {tuple(labels.shape)}; got {tuple(tensor.shape)}")
+    acc_dtype = head.acc_dtype
     old_logprobs, advantages, mask = (t.detach().to(acc_dtype) for t in (old_logprobs, advantages, mask))
+    reference_logprobs, behaviour_logprobs = (
+        None if t is None else t.detach().to(acc_dtype) for t in (reference_logprobs, behaviour_logprobs)
+    )
     labels = labels.long()
     need_hidden = torch.is_grad_enabled() and hidden.requires_grad
     need_weight = torch.is_grad_enabled() and weight.requires_grad
-    with_entropy = metrics == "with_entropy"
+    with_entropy = metrics == "with_entropy" or terms.entropy_on
     num_tokens = hidden.shape[0]
     logprobs = torch.zeros(num_tokens, dtype=acc_dtype, device=hidden.device)  # [N]
     entropy = torch.zeros_like(logprobs) if with_entropy else None  # [N]
@@ -222,48 +352,54 @@ def fused_micro_batch_loss(
     grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
     # the labelled rows, each document's rows together: [M]
-    rows = torch.nonzero(mask > 0).flatten()
-    rows = rows[torch.argsort(document_index[rows], stable=True)]
-    inputs = LossInputs(old_logprobs, advantages, mask, document_index, group_index)
+    rows, chunks = _labelled_chunks(mask, document_index, chunk_tokens, loss.sequence_level)
+    inputs = LossInputs(old_logprobs, advantages, mask, document_index, group_index,
+                        behaviour_logprobs=behaviour_logprobs, reference_logprobs=reference_logprobs)
+    importance = importance_weights(terms.correction, inputs)  # inputs only: once, for whole documents
     weights = token_weights(mask, inputs.segments, totals, aggregation=aggregation,
                             divisor=divisor, group_index=group_index)  # [N]
 
-    def loss_gradient(chunk_rows, chunk_logprobs):
-        """``[R] -> [R]`` ``dL/dlp`` of the rows (whole documents for a sequence-level loss), by autograd."""
-        leaf = chunk_logprobs.detach().requires_grad_(True)
+    def loss_gradient(chunk_rows, chunk_logprobs, chunk_entropy):
+        """``[R] -> [R], [R] | None``: ``dL/dlp`` and ``dL/dH`` (with the entropy bonus) of the rows
+        (whole documents for a sequence-level loss), by autograd through `token_losses`, over ``T``."""
+        leaves = [chunk_logprobs.detach().requires_grad_(True)]
+        if terms.entropy_on:
+            leaves.append(chunk_entropy.detach().requires_grad_(True))
         with torch.enable_grad():
-            losses, _ = loss.per_token(leaf, inputs.select(chunk_rows))  # [R]
-            (grad,) = torch.autograd.grad((weights[chunk_rows] * losses).sum(), leaf)
-        return grad / temperature
+            losses, _ = token_losses(
+                loss, leaves[0], inputs.select(chunk_rows), terms, entropy=leaves[1] if terms.entropy_on else None,
+                importance=None if importance is None else importance.select(chunk_rows),
+            )  # [R]
+            grads = torch.autograd.grad((weights[chunk_rows] * losses).sum(), leaves)
+        valid = labels[chunk_rows] >= 0
+        grads = [torch.where(valid, grad / temperature, 0.0) for grad in grads]
+        return grads[0], grads[1] if terms.entropy_on else None
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start, end in _chunks(document_index[rows], chunk_tokens, whole_documents=loss.sequence_level):
+        for start, end in chunks:
             chunk_rows = rows[start:end]
             # one piece, unless a document of a sequence-level loss is longer than a chunk: then the
             # log-probs of all its pieces come first, and only the last piece's buffer is still there
             # for the gradients
-            pieces = _slices(end - start, chunk_tokens)
-            for s, e in pieces:
-                piece = chunk_rows[s:e]
-                scored = None  # free the previous buffer before the next one exists
-                scored = _score(head, piece, labels[piece], with_entropy)
-                logprobs[piece] = scored.logprobs
-                if with_entropy:
-                    entropy[piece] = scored.entropy
+            pieces, scored = _score_chunk(head, labels, chunk_rows, chunk_tokens, with_entropy, logprobs, entropy)
             if not (need_hidden or need_weight):
                 continue
-            scale = loss_gradient(chunk_rows, logprobs[chunk_rows])  # [R]
-            scale = torch.where(labels[chunk_rows] >= 0, scale, 0.0)
+            scale, entropy_scale = loss_gradient(chunk_rows, logprobs[chunk_rows],
+                                                 entropy[chunk_rows] if with_entropy else None)  # [R]
             for s, e in reversed(pieces):
                 piece = chunk_rows[s:e]
                 if scored is None:  # an earlier piece: its logits again
                     scored = _score(head, piece, labels[piece], with_entropy=False)
-                _add_gradients(head, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight)
+                _add_gradients(head, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight,
+                               entropy_scale=None if entropy_scale is None else entropy_scale[s:e],
+                               entropy=entropy[piece] if entropy_scale is not None else None)
                 scored = None  # one [V, *] buffer at a time
 
         value, partials = micro_batch_loss(
             logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
             loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy,
+            reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs,
+            kl=terms.kl, entropy_coef=terms.entropy_coef, correction=terms.correction,
         )
     if not (need_hidden or need_weight):
         return value, partials

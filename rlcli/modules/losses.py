@@ -237,3 +237,101 @@ class GSPO(ClippedRatioLoss):
 
     def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
         partials.sums["num_segments"] = units.count_weight.to(torch.float64).sum()
+
+
+# σ(x) rounds to exactly 1 in every floating dtype once x >= this (e^-50 is far below half an ulp of 1)
+_SIGMOID_IS_ONE = 50.0
+
+
+@register_loss
+@dataclass(frozen=True)
+class CISPO(PolicyLoss):
+    """CISPO (MiniMax-M1): ``ℓ_t = −sg(min(r_t, 1 + eps_high))·A_t·lp_t``.
+
+    A REINFORCE term whose importance weight is truncated at ``1 + eps_high`` and carries no gradient:
+    a token with a large ratio keeps its gradient, only with a bounded weight. There is no lower bound
+    (MiniMax-M1 sets its ε_low so large that it never acts). ``clipped``: the tokens whose weight was
+    truncated, ``r_t > 1 + eps_high``.
+    """
+
+    name = "cispo"
+    sequence_level = False
+    # IS weight capped at 5: the truncation TRL recommends for CISPO (ScaleRL's ε_max = 5); MiniMax-M1
+    # tunes its bound but does not publish it
+    eps_high: float = field(default=4.0, metadata={"ge": 0})
+
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        log_ratio = inputs.log_ratio(logprobs)  # [N]
+        # exp may overflow to inf: the min with the bound is still exact, and the weight has no gradient
+        weight = torch.clamp(torch.exp(log_ratio.detach()), max=1.0 + self.eps_high)  # [N]
+        labelled_logprobs = torch.where(inputs.mask > 0, logprobs, 0.0)  # [N]
+        losses = torch.where(inputs.mask > 0, -weight * inputs.labelled_advantages * labelled_logprobs, 0.0)
+        return losses, RatioUnits.of_tokens(log_ratio, inputs)
+
+    def clipped(self, ratio: torch.Tensor) -> torch.Tensor:
+        """The tokens whose importance weight was truncated: ``r > 1 + eps_high``, whatever the sign of A."""
+        return ratio > 1 + self.eps_high
+
+
+@register_loss
+@dataclass(frozen=True)
+class SAPO(PolicyLoss):
+    """SAPO (Soft Adaptive Policy Optimization, Qwen 2025): ``ℓ_t = −f_t(r_t)·A_t`` with the soft gate
+    ``f_t(r) = σ(τ_t·(r − 1))·4/τ_t``, ``τ_t = tau_pos`` if ``A_t > 0`` else ``tau_neg``.
+
+    In place of a hard clip the gradient ``−4σ(1 − σ)·r_t·A_t·∇lp_t`` is the plain policy gradient at
+    ``r_t = 1`` and fades smoothly as the ratio leaves 1, faster for a larger τ. There is no hard clip,
+    so no ``clipped_ratio_fraction``.
+    """
+
+    name = "sapo"
+    sequence_level = False
+    # the paper's: a negative advantage's gate decays a little faster
+    tau_pos: float = field(default=1.0, metadata={"gt": 0})
+    tau_neg: float = field(default=1.05, metadata={"gt": 0})
+
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        log_ratio = inputs.log_ratio(logprobs)  # [N]
+        advantages = inputs.labelled_advantages  # [N]
+        positive = advantages > 0
+        tau = torch.where(positive, log_ratio.new_tensor(self.tau_pos), log_ratio.new_tensor(self.tau_neg))  # [N]
+        # beyond log(1 + 50/τ) the gate is exactly 4/τ: stop there, so that exp cannot overflow into inf·0 = NaN
+        saturated = torch.where(positive, log_ratio.new_tensor(math.log1p(_SIGMOID_IS_ONE / self.tau_pos)),
+                                log_ratio.new_tensor(math.log1p(_SIGMOID_IS_ONE / self.tau_neg)))  # [N]
+        log_ratio_gate = torch.where(log_ratio > saturated, saturated, log_ratio)  # [N]
+        gate = torch.sigmoid(tau * torch.expm1(log_ratio_gate)) * (4.0 / tau)  # [N] f_t(r_t)
+        losses = torch.where(inputs.mask > 0, -gate * advantages, 0.0)
+        return losses, RatioUnits.of_tokens(log_ratio, inputs)
+
+
+@register_loss
+@dataclass(frozen=True)
+class GSPOToken(ClippedRatioLoss):
+    """GSPO-token (GSPO paper §4.3): ``ℓ_t = −min(s_t·A_t, clip(s_t)·A_t)`` with per-token advantages and
+    ``s_t = sg(R_d)·exp(lp_t − sg(lp_t))``, ``R_d = exp(mean_{t∈d}(lp_t − old_lp_t))``.
+
+    ``s_t`` equals ``R_d``, but its gradient is ``R_d·∇lp_t``: each token's own, not that of ``R_d``'s mean.
+    With ``A_t = Ā_d`` for every token it has gspo's value and gradient. The ratios, the clip fraction
+    (``R_d`` outside ``[1 − eps_low, 1 + eps_high]``) and ``num_segments`` are gspo's, over documents.
+    """
+
+    name = "gspo_token"
+    sequence_level = True
+
+    def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
+        segments = inputs.segments
+        doc_tokens = segments.sum(inputs.mask)  # [S] n_d
+        rho = segments.sum(inputs.log_ratio(logprobs)) / doc_tokens.clamp(min=1)  # [S]
+        advantages = inputs.labelled_advantages  # [N]
+        log_seq_ratio = segments.broadcast(rho.detach())  # [N] log R_d
+        # with A_t >= 0 the objective reads s_t only through min(s_t, 1 + eps_high): a larger log R_d gives the
+        # same value, so stop it where exp stays finite (an inf R_d times the clipped branch's 0 would be NaN)
+        cap = math.log1p(self.eps_high) + 1.0
+        log_seq_ratio = torch.where((advantages >= 0) & (log_seq_ratio > cap), cap, log_seq_ratio)
+        labelled_logprobs = torch.where(inputs.mask > 0, logprobs, 0.0)  # [N]
+        token_ratio = torch.exp(log_seq_ratio) * torch.exp(labelled_logprobs - labelled_logprobs.detach())  # [N] s_t
+        losses = torch.where(inputs.mask > 0, -self.clipped_objective(token_ratio, advantages), 0.0)
+        return losses, RatioUnits.of_documents(rho, doc_tokens)
+
+    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
+        partials.sums["num_segments"] = units.count_weight.to(torch.float64).sum()

@@ -23,6 +23,23 @@ def check_metrics_level(metrics: str) -> None:
         raise ValueError(f"metrics must be one of {', '.join(METRIC_LEVELS)}; got {metrics!r}")
 
 
+def document_mean_numerator(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """``Σ_d (1/max(n_d,1)) Σ_{t∈d} m_t v_t`` in float64, for values ``[N]`` of whole documents: the
+    numerator of the document mean ``μ(v)``. Values under the mask are never read."""
+    f64 = torch.float64
+    mask = inputs.mask.detach().to(f64)
+    doc_norm = inputs.segments.sum(mask).clamp(min=1)  # [S]
+    token_mean_weight = mask / inputs.segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
+    return (token_mean_weight * torch.where(mask > 0, values.detach().to(f64), 0.0)).sum()
+
+
+def labelled_extreme(values: torch.Tensor, inputs: LossInputs, fill: float, reduce) -> torch.Tensor:
+    """``reduce`` (torch.max or torch.min) of ``values`` [N] over the labelled tokens, float64; ``fill``
+    (-inf for a max, inf for a min) where there is none: `finalize_metrics` drops it."""
+    values = values.detach().to(torch.float64)
+    return reduce(torch.cat([torch.where(inputs.mask > 0, values, fill), values.new_tensor([fill])]))
+
+
 @dataclass
 class MetricPartials:
     """Partial metrics of part of a step. ``means`` hold document-mean numerators."""
@@ -61,14 +78,9 @@ def metric_partials(
     if metrics == "none":
         return partials
     f64 = torch.float64
-    mask = inputs.mask.detach().to(f64)
-    doc_norm = inputs.segments.sum(mask).clamp(min=1)  # [S]
-    token_mean_weight = mask / inputs.segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
-
-    labelled = mask > 0
 
     def doc_mean_numerator(values):
-        return (token_mean_weight * torch.where(labelled, values.detach().to(f64), 0.0)).sum()
+        return document_mean_numerator(values, inputs)
 
     partials.means["old_logprobs"] = doc_mean_numerator(inputs.old_logprobs)
     partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
@@ -88,14 +100,9 @@ def metric_partials(
     partials.sums["ratio_new_old_sum"] = (count_weight * ratio).sum()
     partials.sums["ratio_new_old_squared_sum"] = (count_weight * ratio.square()).sum()
 
-    adv = inputs.advantages.detach().to(f64)  # [N]
-
-    def labelled_extreme(fill, reduce):
-        # the fill value stands for "no labelled token" and is dropped in finalize_metrics
-        return reduce(torch.cat([torch.where(labelled, adv, fill), adv.new_tensor([fill])]))
-
-    partials.maxima["max_advantage"] = labelled_extreme(-math.inf, torch.max)
-    partials.minima["min_advantage"] = labelled_extreme(math.inf, torch.min)
+    # the fill value stands for "no labelled token" and is dropped in finalize_metrics
+    partials.maxima["max_advantage"] = labelled_extreme(inputs.advantages, inputs, -math.inf, torch.max)
+    partials.minima["min_advantage"] = labelled_extreme(inputs.advantages, inputs, math.inf, torch.min)
     loss.add_metric_partials(partials, units, inputs)
     return partials
 
@@ -103,8 +110,9 @@ def metric_partials(
 def finalize_metrics(partials: MetricPartials, totals: StepTotals) -> dict[str, torch.Tensor]:
     """Turn the step's combined partials into metric values.
 
-    ``max_advantage``/``min_advantage`` are left out of a step with no labelled token (there is no
-    value to report, and a placeholder would be wrong).
+    Maxima and minima over labelled tokens (``max_advantage``, ``min_advantage``, ``is_weight_max``)
+    are left out of a step with no labelled token (there is no value to report, and a placeholder
+    would be wrong).
     """
     documents = totals.documents.to(torch.float64).clamp(min=1)
     out = {

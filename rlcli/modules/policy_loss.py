@@ -12,6 +12,14 @@ from rlcli.modules.metrics import (
     finalize_metrics,
     metric_partials,
 )
+from rlcli.modules.regularizers import (
+    Correction,
+    KLPenalty,
+    Terms,
+    add_term_partials,
+    importance_weights,
+    token_losses,
+)
 from rlcli.modules.segments import Segments
 
 
@@ -48,6 +56,11 @@ def micro_batch_loss(
     divisor: float | None = None,
     metrics: str = "basic",
     entropy: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    kl: KLPenalty | None = None,
+    entropy_coef: float = 0.0,
+    correction: Correction | None = None,
     **loss_options,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """This micro-batch's share of the step loss ``L`` and its metric partials.
@@ -55,20 +68,27 @@ def micro_batch_loss(
     The micro-batch holds whole documents; ``totals`` are the whole step's (all micro-batches,
     all ranks) and ``group_index`` uses the step's group numbering. Summing the returned losses
     (and their gradients) over every micro-batch of the step gives exactly ``L`` (and ``∇L``).
-    ``loss`` is a registered name with its options as keywords, or a `PolicyLoss`.
+    ``loss`` is a registered name with its options as keywords, or a `PolicyLoss`. The terms
+    (``kl``, ``entropy_coef``, ``correction``; all off by default) are those of `policy_loss`.
     """
     loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
                                      **loss_options)
+    terms = Terms.of(kl, entropy_coef, correction)
     _check_shapes(
         dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-             document_index=document_index, group_index=group_index, entropy=entropy)
+             document_index=document_index, group_index=group_index, entropy=entropy,
+             reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs)
     )
-    inputs = LossInputs(old_logprobs, advantages, mask.to(logprobs.dtype), document_index, group_index)
-    losses, units = loss.per_token(logprobs, inputs)  # [N]
+    terms.require(reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs, entropy=entropy)
+    inputs = LossInputs(old_logprobs, advantages, mask.to(logprobs.dtype), document_index, group_index,
+                        behaviour_logprobs=behaviour_logprobs, reference_logprobs=reference_logprobs)
+    importance = importance_weights(terms.correction, inputs)  # whole documents: the micro-batch's
+    losses, units = token_losses(loss, logprobs, inputs, terms, entropy=entropy, importance=importance)  # [N]
     weights = token_weights(
         inputs.mask, inputs.segments, totals, aggregation=aggregation, divisor=divisor, group_index=group_index
     )  # [N]
     partials = metric_partials(logprobs, inputs, units, loss=loss, metrics=metrics, entropy=entropy)
+    add_term_partials(partials, logprobs, inputs, importance, metrics=metrics)
     return (weights * losses).sum(), partials
 
 
@@ -85,6 +105,11 @@ def policy_loss(
     divisor: float | None = None,
     metrics: str = "basic",
     entropy: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    kl: KLPenalty | None = None,
+    entropy_coef: float = 0.0,
+    correction: Correction | None = None,
     **loss_options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss ``L`` of SPEC §3–§4 and the metrics of SPEC §6 for one whole step.
@@ -92,14 +117,24 @@ def policy_loss(
     All tensors are flat ``[N]`` over the step's tokens: ``mask`` is 1 for labelled tokens,
     ``document_index`` the document of each token, ``group_index`` its group (any integer ids).
     ``loss`` is a registered name with its options as keywords (``loss="gspo", eps_high=0.28``) or
-    a `PolicyLoss`. The returned loss carries autograd to ``logprobs``; metric values are detached
-    float64 scalars.
+    a `PolicyLoss`. The returned loss carries autograd to ``logprobs`` (and ``entropy``); metric
+    values are detached float64 scalars.
+
+    Terms added to every labelled token's loss before the aggregation (`rlcli.modules.regularizers`):
+    ``kl=KLPenalty(coef, estimator)`` needs ``reference_logprobs`` ([N]) when ``coef > 0`` (metric
+    ``kl_ref`` whenever they are given); ``entropy_coef > 0`` subtracts ``entropy_coef · entropy`` and
+    needs ``entropy`` with its gradient; ``correction=Correction(mode, level, low, high)`` weights the
+    loss's own term by the detached importance weight of ``old_logprobs`` (the trainer's log-probs
+    at the start of the batch) over ``behaviour_logprobs`` (the sampler's; metric ``mismatch_kl``
+    whenever they are given).
     """
     loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
                                      **loss_options)
+    Terms.of(kl, entropy_coef, correction)
     _check_shapes(
         dict(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask,
-             document_index=document_index, group_index=group_index, entropy=entropy)
+             document_index=document_index, group_index=group_index, entropy=entropy,
+             reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs)
     )
     if aggregation == "prompt_mean" and group_index is None:
         raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
@@ -112,5 +147,7 @@ def policy_loss(
     step_loss, partials = micro_batch_loss(
         logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
         loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy,
+        reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs,
+        kl=kl, entropy_coef=entropy_coef, correction=correction,
     )
     return step_loss, {"loss": step_loss.detach().to(torch.float64)} | finalize_metrics(partials, totals)

@@ -10,6 +10,7 @@ are the update, in every epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -71,16 +72,27 @@ class BatchPlan:
     def remaining(self) -> int:
         return self.minibatches * self.epochs - self.done
 
+    def parts(self, epoch: int) -> list[list[MicroBatch]]:
+        """This rank's micro-batches of each update of ``epoch``, in order (possibly none in one)."""
+        if self.minibatches == 1:
+            return [self.micro_batches]
+        runs = minibatch_of_groups(len(self.numbering), self.minibatches, _epoch_seed(self.seed, self.batch, epoch))
+        return [list(pack_documents([doc for doc in self.documents if runs[self.numbering[doc.group_id]] == part],
+                                    self.max_tokens)) for part in range(self.minibatches)]
+
     def next_update(self) -> Update:
         """The next update's micro-batches (on this rank: possibly none)."""
         epoch, part = divmod(self.done, self.minibatches)
         self.done += 1
         carried = self.carried_over if self.done == 1 else 0  # reported once, with the batch's first update
-        if self.minibatches == 1:
-            return Update(self.micro_batches, self.stats, carried)
-        runs = minibatch_of_groups(len(self.numbering), self.minibatches, _epoch_seed(self.seed, self.batch, epoch))
-        mine = [doc for doc in self.documents if runs[self.numbering[doc.group_id]] == part]
-        return Update(list(pack_documents(mine, self.max_tokens)), self.stats, carried)
+        return Update(self.parts(epoch)[part], self.stats, carried)
+
+    def fill(self, values: dict[int, dict[str, tuple[float, ...]]]) -> None:
+        """Give documents more per-token values: ``values[id(doc)]`` holds ``{field: values}`` for the
+        documents of this plan (as they appear in its micro-batches or `parts`)."""
+        filled = {id(doc): dataclasses.replace(doc, **values[id(doc)]) for doc in self.documents}
+        self.documents = [filled[id(doc)] for doc in self.documents]
+        self.micro_batches = [make_micro_batch([filled[id(doc)] for doc in mb.documents]) for mb in self.micro_batches]
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to hand out the rest of this batch: its documents (with the trainer's

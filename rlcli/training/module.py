@@ -1,27 +1,32 @@
-"""The LightningModule: one optimizer step per `training_step`, over micro-batches it pulls itself.
+"""The LightningModule: one optimizer update per `training_step`, over micro-batches it pulls itself.
 
-Read `training_step` top to bottom: collect the step's micro-batches, agree on the step totals
-across ranks, forward/backward each micro-batch with its exact share of the loss, then one
-optimizer update and one row of metrics.
+Read `training_step` top to bottom: take the update's micro-batches (a batch from the step source,
+with the trainer's own log-probs when the loss needs them, is split into `trainer.minibatches`
+updates and passed over `trainer.batch_epochs` times), agree on the step totals across ranks,
+forward/backward each micro-batch with its exact share of the loss, then one optimizer update and
+one row of metrics.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlcli.conf.schema import AggregationConfig, LossConfig
+from rlcli.conf.schema import AggregationConfig, CorrectionConfig, KLConfig, LossConfig, TrainerConfig
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
 from rlcli.loggers.metrics_csv import MetricsCSVLogger
 from rlcli.model.scorer import TokenScorer
-from rlcli.modules.fused_head import fused_micro_batch_loss
+from rlcli.modules import Correction, KLPenalty
+from rlcli.modules.fused_head import fused_micro_batch_loss, head_logprobs
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.training import distributed
+from rlcli.training.batches import BatchPlan, Update
 from rlcli.training.sources import StepSource
 from rlcli.training.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
@@ -53,10 +58,12 @@ class TrainingDiverged(UserError):
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
-    The ``loss``, ``aggregation`` and ``metrics`` config groups say what to optimise and report.
+    The ``loss``, ``aggregation``, ``metrics``, ``kl`` and ``correction`` config groups say what to
+    optimise and report; ``trainer`` how many updates a batch makes and when to give up.
     ``make_source(rank, world_size)`` builds this rank's `StepSource` (`rlcli.training.sources`); the
     dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` returns the
-    scorer sharded for FSDP1 or FSDP2 (`rlcli.training.strategy`).
+    scorer sharded for FSDP1 or FSDP2 (`rlcli.training.strategy`). ``reference`` is the frozen
+    reference policy of the KL penalty, when its log-probs come from a model.
     """
 
     def __init__(
@@ -65,33 +72,43 @@ class PolicyModule(L.LightningModule):
         loss: LossConfig,
         aggregation: AggregationConfig,
         metrics: str,
+        kl: KLConfig,
+        correction: CorrectionConfig,
+        trainer: TrainerConfig,
         make_optimizer: Callable[[torch.nn.Module], tuple],
         make_source: Callable[[int, int], StepSource],
         *,
-        grad_clip: float = 0.0,
-        max_bad_steps: int = 3,
+        seed: int,
+        max_tokens: int,
+        reference: torch.nn.Module | None = None,
         shard: Callable | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.scorer = TokenScorer(
-            policy, temperature=loss.temperature, fp32_lm_head=loss.fp32_lm_head,
-            chunk_tokens=loss.chunk_tokens, with_entropy=metrics == "with_entropy",
-        )
+        head = dict(temperature=loss.temperature, fp32_lm_head=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens)
+        self.scorer = TokenScorer(policy, with_entropy=metrics == "with_entropy", **head)
+        self.reference = None if reference is None else TokenScorer(reference.requires_grad_(False),
+                                                                     with_entropy=False, **head)
         self.loss = loss
         self.aggregation = aggregation
         self.metrics = metrics
-        self.grad_clip = grad_clip
+        self.kl = KLPenalty(coef=kl.coef, estimator=kl.estimator) if kl.coef > 0 else None
+        self.correction = None if correction.mode == "none" else Correction(
+            mode=correction.mode, level=correction.level, low=correction.low, high=correction.high)
+        self.trainer_config = trainer
+        self.seed = seed
+        self.max_tokens = max_tokens
         self.make_optimizer = make_optimizer
         self.make_source = make_source
         self.shard = shard
         self.source: StepSource | None = None
+        self.batch: BatchPlan | None = None  # the batch whose updates are being made
+        self.batches_done = 0  # batches taken from the source
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
         self.empty_steps = 0
         self.bad_steps = 0  # steps skipped for a non-finite loss or gradient
         self.consecutive_bad_steps = 0
-        self.max_bad_steps = max_bad_steps
         self.last_metrics: dict[str, float] = {}  # the latest step's row, for the console
 
     @property
@@ -117,39 +134,95 @@ class PolicyModule(L.LightningModule):
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
         return batch  # the dataloader yields step ticks; micro-batches move in `_micro_batch_loss`
 
-    def _micro_batch_loss(self, batch: MicroBatch | None, plan: StepPlan) -> tuple[torch.Tensor, MetricPartials]:
-        """This micro-batch's share of the step loss. ``None`` stands for a rank that has fewer
+    @property
+    def recompute(self) -> bool:
+        """The ratio's denominator is the trainer's own log-probs at the start of each batch."""
+        return self.loss.old_logprobs == "recompute"
+
+    def _tensors(self, batch: MicroBatch | None) -> dict[str, torch.Tensor]:
+        """The micro-batch's ``[L]`` tensors on this device. ``None`` stands for a rank that has fewer
         micro-batches than the others: one ignored token, so every rank runs the same passes and
         collectives, and it adds nothing."""
         if batch is None:
             t = {name: torch.zeros(1, dtype=torch.long) for name in TENSOR_FIELDS}
             t["labels"] -= 100
-            group_index = torch.zeros(1, dtype=torch.long)
+            t["proximal_logprobs"] = t["ref_logprobs"] = t["old_logprobs"]
         else:
             t = {name: getattr(batch, name) for name in TENSOR_FIELDS}
-            group_index = batch.group_index(plan.group_numbering)
-        t = {name: value.to(self.device) for name, value in t.items()}
+            t |= {name: getattr(batch, name) for name in ("proximal_logprobs", "ref_logprobs")
+                  if getattr(batch, name) is not None}
+        return {name: value.to(self.device) for name, value in t.items()}
+
+    def _micro_batch_loss(self, batch: MicroBatch | None, plan: StepPlan) -> tuple[torch.Tensor, MetricPartials]:
+        """This micro-batch's share of the step loss (see `_tensors` for ``None``)."""
+        t = self._tensors(batch)
+        group_index = torch.zeros(1, dtype=torch.long) if batch is None else batch.group_index(plan.group_numbering)
         loss, aggregation = self.loss, self.aggregation
 
         def head_loss(hidden, weight):
             return fused_micro_batch_loss(
-                hidden, weight, t["labels"], t["old_logprobs"], t["advantages"], t["mask"], t["document_index"],
-                plan.totals, group_index.to(self.device),
+                hidden, weight, t["labels"], t["proximal_logprobs" if self.recompute else "old_logprobs"],
+                t["advantages"], t["mask"], t["document_index"], plan.totals, group_index.to(self.device),
                 loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=self.metrics,
                 temperature=loss.temperature, fp32=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens,
+                reference_logprobs=t["ref_logprobs"] if self.kl else None,
+                behaviour_logprobs=t["old_logprobs"] if self.correction else None,
+                kl=self.kl, entropy_coef=loss.entropy_coef, correction=self.correction,
             )
 
         return self.scorer(t["input_ids"], t["position_ids"], t["labels"], head_loss=head_loss)
 
+    @torch.no_grad()
+    def _add_trainer_logprobs(self, batch: BatchPlan) -> None:
+        """Give the batch's documents the log-probs the loss needs from the trainer itself: the policy's
+        own (``proximal_logprobs``, with ``loss.old_logprobs=recompute``) and the reference model's
+        (``ref_logprobs``, KL to a reference model), by the head the loss uses, on the micro-batches of
+        the first epoch: so the batch's first update starts at ratio 1 and ``kl_ref = 0`` exactly."""
+        scorers = {"proximal_logprobs": self.scorer if self.recompute else None,
+                   "ref_logprobs": self.reference if self.kl else None}
+        scorers = {name: scorer for name, scorer in scorers.items() if scorer is not None}
+        if not scorers:
+            return
+        micro_batches = [mb for part in batch.parts(0) for mb in part]
+        passes = int(distributed.all_reduce(torch.tensor(len(micro_batches), device=self.device), "max"))
+        head = dict(loss=self.loss.objective, temperature=self.loss.temperature, fp32=self.loss.fp32_lm_head,
+                    chunk_tokens=self.loss.chunk_tokens)
+        values: dict[int, dict] = {}
+        for i in range(passes):  # every rank the same passes (a sharded scorer gathers its weights)
+            micro_batch = micro_batches[i] if i < len(micro_batches) else None
+            t = self._tensors(micro_batch)
+            score = partial(head_logprobs, labels=t["labels"], mask=t["mask"], document_index=t["document_index"],
+                            **head)
+            scored = {name: scorer(t["input_ids"], t["position_ids"], t["labels"], head_loss=score)
+                      for name, scorer in scorers.items()}  # [L] each
+            if micro_batch is not None:
+                per_document = {name: micro_batch.completion_values(v) for name, v in scored.items()}
+                for d, doc in enumerate(micro_batch.documents):
+                    values[id(doc)] = {name: v[d] for name, v in per_document.items()}
+        batch.fill(values)
+
+    def _next_update(self) -> Update | None:
+        """The next update's micro-batches; a new batch from the source when the last one is done,
+        None when every rank has used up its data."""
+        if self.batch is None or self.batch.remaining == 0:
+            step = self.source.next_step(self.batches_done, self.device)
+            if distributed.all_reduce(torch.tensor(len(step.micro_batches), device=self.device), "max") == 0:
+                return None
+            trainer = self.trainer_config
+            self.batch = BatchPlan(
+                step.micro_batches, minibatches=trainer.minibatches, epochs=trainer.batch_epochs, seed=self.seed,
+                batch=self.batches_done, max_tokens=self.max_tokens, stats=step.stats, carried_over=step.carried_over,
+            )
+            self._add_trainer_logprobs(self.batch)
+            self.batches_done += 1
+        return self.batch.next_update()
+
     def training_step(self, tick, batch_idx):
-        step = self.source.next_step(self.steps_done, self.device)
-        passes = int(distributed.all_reduce(
-            torch.tensor(len(step.micro_batches), device=self.device), "max"
-        ))
-        if passes == 0:
+        step = self._next_update()
+        if step is None:
             self.trainer.should_stop = True  # every rank has used up its data
             return None
-
+        passes = int(distributed.all_reduce(torch.tensor(len(step.micro_batches), device=self.device), "max"))
         plan = plan_step(step.micro_batches, self.device)
         optimizer = self.optimizers()
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -191,13 +264,13 @@ class PolicyModule(L.LightningModule):
             self.empty_steps += 1
             rank_zero_warn(f"step {self.steps_done}: no labelled token in the step; no update")
             return 0.0
-        grad_norm = distributed.clip_grad_norm(self.scorer, self.grad_clip)
+        grad_norm = distributed.clip_grad_norm(self.scorer, self.trainer_config.grad_clip)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             optimizer.zero_grad()
             self.bad_steps += 1
             self.consecutive_bad_steps += 1
             rank_zero_warn(f"step {self.steps_done}: loss {loss} or gradient norm {grad_norm} is not finite; no update")
-            if self.consecutive_bad_steps >= self.max_bad_steps:
+            if self.consecutive_bad_steps >= self.trainer_config.max_bad_steps:
                 raise TrainingDiverged(
                     f"training stopped at step {self.steps_done}: {self.consecutive_bad_steps} steps in a row with a "
                     "non-finite loss or gradient (trainer.max_bad_steps). Lower optimizer.lr, keep trainer.grad_clip "
@@ -221,13 +294,15 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Everything beyond Lightning's state that a resumed run needs, from every rank."""
+        batch = self.batch.state_dict() if self.batch is not None and self.batch.remaining else None
         checkpoint["rlcli"] = {
             "steps_done": self.steps_done,
+            "batches_done": self.batches_done,
             "documents_seen": self.documents_seen,
             "empty_steps": self.empty_steps,
             "bad_steps": (self.bad_steps, self.consecutive_bad_steps),
             "ranks": distributed.all_gather_objects(
-                {"source": self.source.state_dict(), "torch_rng": torch.get_rng_state()}
+                {"source": self.source.state_dict(), "batch": batch, "torch_rng": torch.get_rng_state()}
             ),
         }
 
@@ -239,11 +314,16 @@ class PolicyModule(L.LightningModule):
                 f"{self.trainer.world_size}; resume with the same trainer.devices and trainer.num_nodes"
             )
         self.steps_done = state["steps_done"]
+        self.batches_done = state["batches_done"]
         self.documents_seen = state["documents_seen"]
         self.empty_steps = state["empty_steps"]
         self.bad_steps, self.consecutive_bad_steps = state["bad_steps"]
         mine = state["ranks"][self.global_rank]
         self.source.load_state_dict(mine["source"])
+        if mine["batch"] is not None:
+            trainer = self.trainer_config
+            self.batch = BatchPlan.from_state(mine["batch"], minibatches=trainer.minibatches,
+                                              epochs=trainer.batch_epochs, seed=self.seed, max_tokens=self.max_tokens)
         torch.set_rng_state(mine["torch_rng"])
         for logger in self.loggers:
             if isinstance(logger, MetricsCSVLogger):

@@ -279,3 +279,260 @@ AGGREGATIONS = (
     ("constant", 1.0),
     ("constant", 37.5),
 )
+
+
+# --------------------------------------------------------------------------------------------
+# cispo, sapo, gspo_token: loss and metrics, written from their formulas
+#   cispo:      ℓ_t = −sg(min(r_t, 1 + eps_high))·A_t·lp_t
+#   sapo:       ℓ_t = −σ(τ_t (r_t − 1))·(4/τ_t)·A_t,  τ_t = tau_pos if A_t > 0 else tau_neg
+#   gspo_token: s_t = sg(R_d)·exp(lp_t − sg(lp_t)), R_d = exp(mean_d(lp − old)),
+#               ℓ_t = −min(s_t A_t, clip(s_t) A_t)
+# --------------------------------------------------------------------------------------------
+
+NEW_LOSSES = ("cispo", "sapo", "gspo_token")
+
+
+def ref_new_loss(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    doc: torch.Tensor,
+    group: torch.Tensor | None = None,
+    *,
+    loss: str,
+    aggregation: str,
+    divisor: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> torch.Tensor:
+    """``L = Σ_t w_t ℓ_t`` of a new loss in float64, differentiable w.r.t. ``lp``; token by token."""
+    lp, old, adv = lp.to(F64), old.to(F64), adv.to(F64)
+    docs = documents(mask, doc, group)
+    weights = ref_document_weights(docs, aggregation=aggregation, divisor=divisor)
+    total = lp.sum() * 0.0
+    for d, w in zip(docs, weights):
+        if not d.labelled:
+            continue
+        if loss == "gspo_token":
+            log_ratios = [lp[t] - old[t] for t in d.labelled]
+            big_r = torch.exp(sum(log_ratios) / len(d.labelled)).detach()  # sg(R_d)
+        for t in d.labelled:
+            a = float(adv[t])
+            if loss == "cispo":
+                r = torch.exp(lp[t] - old[t])
+                is_weight = torch.clamp(r, max=1.0 + eps_high).detach()
+                ell = -is_weight * a * lp[t]
+            elif loss == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                r = torch.exp(lp[t] - old[t])
+                ell = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * a
+            elif loss == "gspo_token":
+                s = big_r * torch.exp(lp[t] - lp[t].detach())
+                clipped = torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high)
+                ell = -torch.minimum(s * a, clipped * a)
+            else:
+                raise AssertionError(loss)
+            total = total + w * ell
+    return total
+
+
+def ref_new_metrics(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    doc: torch.Tensor,
+    *,
+    loss: str,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    entropy: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The metrics of a new loss: the shared ones over tokens (cispo, sapo) or documents (gspo_token,
+    exactly gspo's); cispo's ``clipped_ratio_fraction`` is ``μ(1[r > 1 + eps_high])``, sapo has none."""
+    if loss == "gspo_token":
+        return ref_metrics(lp, old, adv, mask, doc, loss="gspo", eps_low=eps_low, eps_high=eps_high,
+                           entropy=entropy)
+    out = ref_metrics(lp, old, adv, mask, doc, loss="grpo", eps_low=eps_low, eps_high=eps_high, entropy=entropy)
+    del out["clipped_ratio_fraction"]
+    if loss == "cispo":
+        lp_l, old_l = lp.detach().to(F64).tolist(), old.detach().to(F64).tolist()
+        docs = documents(mask, doc)
+        acc = 0.0
+        for d in docs:
+            truncated = sum(1.0 for t in d.labelled if math.exp(lp_l[t] - old_l[t]) > 1.0 + eps_high)
+            acc += truncated / max(len(d.labelled), 1)
+        out["clipped_ratio_fraction"] = acc / len(docs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# terms added to any policy loss, written from their formulas:
+#   ℓ'_t = w_t·ℓ_t + β·k(ref_t − lp_t) − c·H_t
+#   k1 = −δ, k2 = δ²/2, k3 = exp(δ) − δ − 1
+#   log ρ: token prox_t − behav_t; sequence Σ_{t∈d} (prox − behav); geometric that sum / n_d
+#   truncate: w = min(ρ, high); mask: w = 1[low ≤ ρ ≤ high]  (rejected: not low ≤ ρ ≤ high)
+#   metrics: kl_ref = μ(k3(ref − lp)), mismatch_kl = μ(k3(prox − behav)), is_weight_mean = μ(w),
+#            is_weight_max = max_t w_t, is_masked_fraction = μ(1[rejected])
+# --------------------------------------------------------------------------------------------
+
+# the metrics' k3 saturates at this log-ratio (a documented choice: finite metrics for broken log-probs)
+METRIC_LOG_RATIO_MAX = 600.0
+
+
+def ref_kl_term(delta: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The KL estimator at ``δ = ref − lp`` (differentiable)."""
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return delta * delta / 2
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1
+    raise AssertionError(estimator)
+
+
+def ref_importance_weights(
+    old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor, *,
+    mode: str, level: str, low: float, high: float,
+) -> tuple[list[float], list[bool]]:
+    """``w_t`` and ``rejected_t`` of every token (0.0 and False where m_t = 0), in log space."""
+    old_l, behav_l = old.detach().to(F64).tolist(), behav.detach().to(F64).tolist()
+    n = len(old_l)
+    weight, rejected = [0.0] * n, [False] * n
+    for d in documents(mask, doc):
+        if not d.labelled:
+            continue
+        token_log_ratio = {t: old_l[t] - behav_l[t] for t in d.labelled}
+        total = sum(token_log_ratio.values())
+        for t in d.labelled:
+            if level == "token":
+                log_rho = token_log_ratio[t]
+            elif level == "sequence":
+                log_rho = total
+            elif level == "geometric":
+                log_rho = total / len(d.labelled)
+            else:
+                raise AssertionError(level)
+            if mode == "truncate":
+                weight[t] = math.exp(min(log_rho, math.log(high)))
+            elif mode == "mask":
+                rejected[t] = not (math.log(low) <= log_rho <= math.log(high))
+                weight[t] = 0.0 if rejected[t] else 1.0
+            else:
+                raise AssertionError(mode)
+    return weight, rejected
+
+
+def ref_token_policy_losses(
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor, *,
+    loss: str, eps_low: float = 0.2, eps_high: float = 0.2,
+) -> dict[int, torch.Tensor]:
+    """``ℓ_t`` of every labelled token (SPEC §3), differentiable w.r.t. ``lp`` and ``old``."""
+    lp, old, adv = lp.to(F64), old.to(F64), adv.to(F64)
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    out = {}
+    for d in documents(mask, doc):
+        if not d.labelled:
+            continue
+        if loss == "grpo":
+            for t in d.labelled:
+                r = torch.exp(lp[t] - old[t])
+                a = float(adv[t])
+                out[t] = -torch.minimum(r * a, torch.clamp(r, lo, hi) * a)
+        elif loss == "gspo":
+            big_r = torch.exp(sum(lp[t] - old[t] for t in d.labelled) / len(d.labelled))
+            a_bar = sum(float(adv[t]) for t in d.labelled) / len(d.labelled)
+            lam = -torch.minimum(big_r * a_bar, torch.clamp(big_r, lo, hi) * a_bar)
+            for t in d.labelled:
+                out[t] = lam
+        else:
+            raise AssertionError(loss)
+    return out
+
+
+def ref_loss_with_terms(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    doc: torch.Tensor,
+    group: torch.Tensor | None = None,
+    *,
+    loss: str,
+    aggregation: str,
+    divisor: float | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    estimator: str = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    behav: torch.Tensor | None = None,
+    mode: str = "none",
+    level: str = "token",
+    low: float = 0.5,
+    high: float = 2.0,
+) -> torch.Tensor:
+    """``L = Σ_t w^agg_t (w_t ℓ_t + β k_t − c H_t)`` in float64, differentiable w.r.t. ``lp``, ``old``
+    and ``entropy``; the correction weights ``w_t`` are plain numbers (no gradient)."""
+    docs = documents(mask, doc, group)
+    agg = ref_document_weights(docs, aggregation=aggregation, divisor=divisor)
+    ell = ref_token_policy_losses(lp, old, adv, mask, doc, loss=loss, eps_low=eps_low, eps_high=eps_high)
+    if mode != "none":
+        is_weight, _ = ref_importance_weights(old, behav, mask, doc, mode=mode, level=level, low=low, high=high)
+    total = torch.where(mask > 0, lp.to(F64), 0.0).sum() * 0.0  # a zero with the graph; never reads the mask's NaN
+    for d, w_agg in zip(docs, agg):
+        for t in d.labelled:
+            term = ell[t] * (is_weight[t] if mode != "none" else 1.0)
+            if kl_coef > 0:
+                term = term + kl_coef * ref_kl_term(ref.to(F64)[t] - lp.to(F64)[t], estimator)
+            if entropy_coef > 0:
+                term = term - entropy_coef * entropy.to(F64)[t]
+            total = total + w_agg * term
+    return total
+
+
+def ref_term_metrics(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    mask: torch.Tensor,
+    doc: torch.Tensor,
+    *,
+    ref: torch.Tensor | None = None,
+    behav: torch.Tensor | None = None,
+    mode: str = "none",
+    level: str = "token",
+    low: float = 0.5,
+    high: float = 2.0,
+) -> dict[str, float]:
+    """The terms' metrics (plain floats): ``kl_ref`` with ``ref``, ``mismatch_kl`` with ``behav``, the
+    ``is_*`` metrics with a correction."""
+    docs = documents(mask, doc)
+    lp_l, old_l = lp.detach().to(F64).tolist(), old.detach().to(F64).tolist()
+
+    def mu(value_of_token) -> float:
+        return sum(sum(value_of_token(t) for t in d.labelled) / max(len(d.labelled), 1) for d in docs) / len(docs)
+
+    def k3(delta: float) -> float:
+        delta = min(delta, METRIC_LOG_RATIO_MAX)
+        return math.exp(delta) - delta - 1
+
+    out = {}
+    if ref is not None:
+        ref_l = ref.detach().to(F64).tolist()
+        out["kl_ref"] = mu(lambda t: k3(ref_l[t] - lp_l[t]))
+    if behav is not None:
+        behav_l = behav.detach().to(F64).tolist()
+        out["mismatch_kl"] = mu(lambda t: k3(old_l[t] - behav_l[t]))
+    if mode != "none":
+        weight, rejected = ref_importance_weights(old, behav, mask, doc, mode=mode, level=level, low=low, high=high)
+        out["is_weight_mean"] = mu(lambda t: weight[t])
+        out["is_masked_fraction"] = mu(lambda t: float(rejected[t]))
+        labelled = [weight[t] for d in docs for t in d.labelled]
+        if labelled:
+            out["is_weight_max"] = max(labelled)
+    return out

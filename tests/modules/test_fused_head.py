@@ -6,6 +6,7 @@ labelled tokens) counted op by op."""
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import pytest
 import torch
@@ -62,7 +63,9 @@ def _fused(step, hidden, weight, labels, group_index, totals, *, scale=1.0, **kw
 @pytest.mark.parametrize("chunk_tokens", [0, 1, 2, 5, 1000])
 def test_value_gradients_and_metrics_match_the_float64_references(loss, aggregation, divisor, chunk_tokens):
     temperature = 0.7 if chunk_tokens % 2 else 1.0
-    step, hidden, weight, labels, group_index, totals = _case(hash((loss, aggregation, divisor)) % 1000)
+    # a seed per case that does not change with PYTHONHASHSEED (hash() of strings does)
+    seed = zlib.crc32(repr((loss, aggregation, divisor)).encode()) % 1000
+    step, hidden, weight, labels, group_index, totals = _case(seed)
     value, metrics, grad_h, grad_w = _fused(
         step, hidden, weight, labels, group_index, totals, scale=2.5, loss=loss, aggregation=aggregation,
         divisor=divisor, metrics="with_entropy", temperature=temperature, chunk_tokens=chunk_tokens,

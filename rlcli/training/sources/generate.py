@@ -56,6 +56,11 @@ class OnPolicyGeneration(DataKind):
             problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")
         if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
             problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
+        prompts, minibatches = _number(cfg.get("rollout"), "prompts_per_step"), _number(trainer, "minibatches")
+        processes = (_number(trainer, "devices") or 1) * (_number(trainer, "num_nodes") or 1)
+        if prompts is not None and minibatches is not None and minibatches > prompts * processes:
+            problems.append(f"trainer.minibatches: {minibatches} is more than the {prompts * processes} groups of a "
+                            "batch (rollout.prompts_per_step per process); a group is never split between updates")
         sampled, scored = _number(cfg.get("rollout"), "temperature"), _number(cfg.get("loss"), "temperature")
         if sampled is not None and scored is not None and sampled != scored:
             problems.append(

@@ -1,0 +1,139 @@
+"""The cost of the loss family's extra passes: a training step with ``loss.old_logprobs=recompute`` and one
+with a KL penalty to a reference model, against a plain step on the same rollouts.
+
+A plain step is the fused head + GRPO loss, forward and backward, over every packed micro-batch (as
+`rlcli train` runs it). ``recompute`` adds one no-grad pass of the policy through the same head
+(`head_logprobs`) over the batch, which happens once per batch, whatever ``trainer.minibatches``;
+``kl`` adds that pass for a frozen copy of the policy (the reference) and the KL term in the loss.
+Same synthetic rollouts and tiny model as `benchmarks.throughput`; the three run in turns, and each
+ratio is the median of the ratios of each round. Usage: ``python -m benchmarks.loss_terms [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.lm_head import chunk_tokens_arg
+from benchmarks.machine import device_name
+from benchmarks.throughput import _model, _rollouts
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loss_terms", description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=64, help="rollouts per step")
+    parser.add_argument("--min-completion", type=int, default=16)
+    parser.add_argument("--max-completion", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=512, help="tokens per packed micro-batch")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--chunk-tokens", type=chunk_tokens_arg, default="auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    args.attn = "auto"  # what benchmarks.throughput's model builder reads
+    return args
+
+
+def run(args) -> dict:
+    from rlcli.data.document_stream import pack_documents
+    from rlcli.model.scorer import TokenScorer
+    from rlcli.modules import KLPenalty, Segments, StepTotals, fused_micro_batch_loss, head_logprobs
+
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rows = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.old_logprobs, mb.advantages,
+                                    mb.mask, mb.document_index)]
+            for mb in pack_documents(_rollouts(args), args.max_tokens)]
+    model, attention = _model(args, device)
+    head = dict(temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens, with_entropy=False)
+    scorer = TokenScorer(model, **head)
+    reference = TokenScorer(copy.deepcopy(model).requires_grad_(False), **head)
+    totals = [StepTotals.of_tokens(mask, Segments.of(doc)) for *_, mask, doc in rows]
+
+    @torch.no_grad()
+    def logprobs_pass(of):
+        out = []
+        for input_ids, position_ids, labels, _, _, mask, doc in rows:
+            score = functools.partial(head_logprobs, labels=labels, mask=mask, document_index=doc,
+                                      chunk_tokens=args.chunk_tokens)
+            out.append(of(input_ids, position_ids, labels, head_loss=score))
+        return out
+
+    def train_pass(reference_logprobs=None):
+        for i, (input_ids, position_ids, labels, old, adv, mask, doc) in enumerate(rows):
+            kl = {} if reference_logprobs is None else dict(kl=KLPenalty(coef=0.05),
+                                                           reference_logprobs=reference_logprobs[i])
+            head_loss = functools.partial(
+                fused_micro_batch_loss, labels=labels, old_logprobs=old, advantages=adv, mask=mask,
+                document_index=doc, totals=totals[i], chunk_tokens=args.chunk_tokens, **kl,
+            )
+            loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def recompute_step():
+        logprobs_pass(scorer)
+        train_pass()
+
+    def kl_step():
+        train_pass(reference_logprobs=logprobs_pass(reference))
+
+    steps = {"plain": train_pass, "recompute": recompute_step, "kl": kl_step}
+    for fn in steps.values():
+        fn()  # warm-up
+        sync()
+    times = {name: [] for name in steps}
+    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in all three
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    result = dict(documents=args.documents, micro_batches=len(rows), model=dict(hidden=args.hidden,
+                  layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens, attention=attention,
+                  device=str(device), device_name=device_name(device))
+    for name in steps:
+        result[f"{name}_s"] = statistics.median(times[name])
+    for name in ("recompute", "kl"):
+        result[f"{name}_ratio"] = statistics.median(b / a for a, b in zip(times["plain"], times[name]))
+    return result
+
+
+def format_table(r: dict) -> str:
+    return "\n".join([
+        f"{r['documents']} rollouts in {r['micro_batches']} packed micro-batches; tiny Llama H={r['model']['hidden']} "
+        f"layers={r['model']['layers']} V={r['model']['vocab']}, attention {r['attention']}, on {r['device_name']}; "
+        "median step",
+        "",
+        "| step | time (s) | ratio to plain |",
+        "|---|---:|---:|",
+        f"| plain (fused head + grpo, forward and backward) | {r['plain_s']:.3g} | 1.00 |",
+        f"| + recompute (a no-grad pass of the policy for prox_t) | {r['recompute_s']:.3g} "
+        f"| {r['recompute_ratio']:.2f} |",
+        f"| + KL (a no-grad pass of the reference, the k3 term) | {r['kl_s']:.3g} | {r['kl_ratio']:.2f} |",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    result = run(args)
+    print(format_table(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

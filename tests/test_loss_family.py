@@ -1,0 +1,77 @@
+"""The loss family of a real RL run through `rlcli train`: several updates per batch, the trainer's own
+log-probs for the ratio, a KL penalty to a reference, the mismatch correction, and exact resume."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from fault_injection import FAULTS_ENV, callbacks_override
+from safetensors.torch import load_file
+
+from rlcli.train import train
+from train_helpers import compose_train_config, run_rlcli
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    with (run_dir / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def train_rows(tmp_path: Path, *overrides: str) -> list[dict]:
+    train(compose_train_config(["logger=none", *overrides]), tmp_path / "run")
+    return rows_of(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_on_policy_minibatches_start_each_batch_on_policy_then_move_and_clip(tmp_path):
+    rows = train_rows(tmp_path, "trainer.minibatches=4", "trainer.max_steps=12", "optimizer.lr=2e-2")
+    assert len(rows) == 12  # one row per update
+    firsts, later = rows[::4], [row for i, row in enumerate(rows) if i % 4]
+    for row in firsts:  # each batch was just sampled from the current weights
+        assert float(row["ratio_new_old"]) == pytest.approx(1.0, abs=1e-5)
+        assert abs(float(row["kl_new_old"])) < 1e-6 and float(row["clipped_ratio_fraction"]) == 0
+    assert all(abs(float(row["ratio_new_old"]) - 1) > 1e-4 for row in later)
+    assert max(float(row["clipped_ratio_fraction"]) for row in later) > 0  # the clip acts
+    assert sum(int(float(row["num_documents"])) for row in rows[:4]) == 64  # 8 prompts x 8, split in four
+
+
+@pytest.mark.slow
+def test_recomputed_old_logprobs_and_an_initial_reference_are_exact_at_the_start(tmp_path):
+    rows = train_rows(tmp_path, "data=rollouts", "trainer.max_steps=4", "trainer.minibatches=2",
+                      "loss.old_logprobs=recompute", "kl.coef=0.1", "correction.mode=truncate")
+    def on_policy_exactly(row):  # every r_t = 1: their sum is the token count, and kl 0, bit for bit
+        return float(row["ratio_new_old_sum"]) == float(row["num_tokens"]) and float(row["kl_new_old"]) == 0.0
+
+    first = rows[0]
+    assert on_policy_exactly(first)  # the same head as the loss's
+    assert float(first["kl_ref"]) == 0.0  # the reference is the starting policy
+    assert on_policy_exactly(rows[2])  # a new batch: recomputed with the weights of that moment
+    assert not on_policy_exactly(rows[1]) and float(rows[1]["kl_ref"]) > 0
+    # the toy rollouts were written by a uniform sampler: the correction sees the mismatch
+    assert float(first["mismatch_kl"]) > 0 and float(first["is_weight_mean"]) < 2.0
+
+
+@pytest.mark.slow
+def test_a_run_of_the_whole_family_killed_and_resumed_equals_the_straight_run(tmp_path):
+    common = ["train", "data=rollouts", "trainer.max_steps=6", "trainer.checkpoint_every=1", "loss=gspo",
+              "trainer.minibatches=2", "trainer.batch_epochs=2", "kl.coef=0.05", "correction.mode=truncate",
+              "correction.high=2", "loss.entropy_coef=0.01", "trainer.accumulate_microbatches=2",
+              "data.max_tokens=128", "optimizer.lr=1e-2"]
+    straight = run_rlcli([*common, "hydra.run.dir=straight"], tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = run_rlcli([*common, "hydra.run.dir=killed", *callbacks_override("KillDuringSave", step=3)], tmp_path,
+                       extra_env=FAULTS_ENV)
+    assert killed.returncode != 0
+    resumed = run_rlcli([*common, "hydra.run.dir=killed", "resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = rows_of(tmp_path / "straight"), rows_of(tmp_path / "killed")
+    assert [r["step"] for r in got] == [str(s) for s in range(1, 7)]
+    for a, b in zip(want, got):
+        for name in ("loss", "num_documents", "grad_norm", "ratio_new_old", "kl_ref", "is_weight_mean", "entropy"):
+            if name in a:
+                assert float(b[name]) == pytest.approx(float(a[name]), rel=1e-6, abs=1e-9), (a["step"], name)
+    want_params = load_file(tmp_path / "straight" / "export" / "model.safetensors")
+    got_params = load_file(tmp_path / "killed" / "export" / "model.safetensors")
+    assert all((got_params[k] - v).abs().max() <= 1e-6 for k, v in want_params.items())
