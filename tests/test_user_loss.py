@@ -36,9 +36,6 @@ USER_YAML = """\
 _target_: my_losses.Reinforce
 name: reinforce
 coef: 1.0
-temperature: 1.0
-fp32_lm_head: false
-chunk_tokens: auto
 """
 
 
