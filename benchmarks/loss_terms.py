@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
+from benchmarks.output import report
 from benchmarks.throughput import _model, _rollouts
 
 
@@ -128,11 +128,7 @@ def format_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     result = run(args)
-    print(format_table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
+from benchmarks.output import report
 
 PROMPT_TOKENS = 16
 
@@ -217,11 +217,7 @@ def format_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     result = run(args)
-    print(format_table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":
