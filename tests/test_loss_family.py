@@ -75,3 +75,16 @@ def test_a_run_of_the_whole_family_killed_and_resumed_equals_the_straight_run(tm
     want_params = load_file(tmp_path / "straight" / "export" / "model.safetensors")
     got_params = load_file(tmp_path / "killed" / "export" / "model.safetensors")
     assert all((got_params[k] - v).abs().max() <= 1e-6 for k, v in want_params.items())
+
+
+@pytest.mark.slow
+def test_two_processes_split_each_batch_by_whole_groups_and_start_exactly_on_policy(tmp_path):
+    result = run_rlcli(["train", "data=rollouts", "trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp",
+                        "trainer.max_steps=4", "trainer.minibatches=2", "kl.coef=0.05", "correction.mode=truncate",
+                        "logger=none", "hydra.run.dir=run"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = rows_of(tmp_path / "run")
+    assert len(rows) == 4
+    for first in (rows[0], rows[2]):  # every batch starts from the trainer's own log-probs
+        assert float(first["ratio_new_old_sum"]) == float(first["num_tokens"]) and float(first["kl_new_old"]) == 0
+    assert float(rows[0]["kl_ref"]) == 0.0 and float(rows[1]["kl_ref"]) > 0

@@ -15,7 +15,7 @@ from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
 from rlcli.model.policy import build_policy
 from rlcli.model.scorer import TokenScorer
-from rlcli.modules import policy_loss
+from rlcli.modules import Correction, KLPenalty, policy_loss
 from rlcli.rollout.advantages import apply_advantage_estimator
 from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
 
@@ -25,6 +25,10 @@ LOSSES = ["grpo", "gspo"]
 AGGREGATIONS = [("token_mean", None), ("sample_mean", None), ("prompt_mean", None), ("constant", 6.0)]
 DOCS_PER_STEP = 9
 LR = 0.5
+# the loss family's terms, as config overrides and as the arguments of the float64 whole step
+TERM_OVERRIDES = ["kl.coef=0.05", "kl.reference=rollouts", "loss.entropy_coef=0.01", "correction.mode=truncate",
+                  "correction.high=1.5"]
+TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05), entropy_coef=0.01, correction=Correction(mode="truncate", high=1.5))
 
 
 def two_rank_overrides(data, strategy, *extra):
@@ -32,20 +36,25 @@ def two_rank_overrides(data, strategy, *extra):
             "trainer.accelerator=cpu", "logger=none", *extra]
 
 
-def reference_parameters(data, docs: list[int], loss: str, aggregation: str, divisor) -> dict:
-    """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all)."""
+def reference_parameters(data, docs: list[int], loss: str, aggregation: str, divisor, terms: bool = False) -> dict:
+    """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all); with ``terms``
+    the KL penalty to the records' ref_logprobs, the entropy bonus and the mismatch correction too (the
+    proximal log-probs of a first step are the current ones)."""
     cfg = compose_train_config()
     L.seed_everything(cfg.seed, verbose=False)
     policy = build_policy(cfg.model).double()
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
     by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo", eps=cfg.advantage.eps)}
     batch = make_micro_batch([by_index[i] for i in docs])
-    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
-    logprobs, _ = scorer(batch.input_ids, batch.position_ids, batch.labels)
+    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=terms)
+    logprobs, entropy = scorer(batch.input_ids, batch.position_ids, batch.labels)
     numbering = {g: i for i, g in enumerate(dict.fromkeys(d.group_id for d in batch.documents))}
+    old = logprobs.detach() if terms else batch.old_logprobs.double()
+    extra = dict(entropy=entropy, reference_logprobs=batch.ref_logprobs.double(),
+                 behaviour_logprobs=batch.old_logprobs.double(), **TERM_ARGUMENTS) if terms else {}
     step_loss, _ = policy_loss(
-        logprobs, batch.old_logprobs.double(), batch.advantages.double(), batch.mask.double(),
-        batch.document_index, batch.group_index(numbering), loss=loss, aggregation=aggregation, divisor=divisor,
+        logprobs, old, batch.advantages.double(), batch.mask.double(), batch.document_index,
+        batch.group_index(numbering), loss=loss, aggregation=aggregation, divisor=divisor, **extra,
     )
     step_loss.backward()
     with torch.no_grad():
@@ -68,6 +77,7 @@ def spread_rollouts(tmp_path_factory):
     for i, r in enumerate(records):
         r["group_id"] = i % 6
         r["reward"] = rng.random()
+        r["ref_logprobs"] = [lp - rng.random() for lp in r["old_logprobs"]]
     return write_jsonl(path, records)
 
 
@@ -84,6 +94,14 @@ def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_ro
                     "trainer.grad_clip=0", "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
                     f"data.max_tokens={rng.randint(14, 40)}",  # random micro-batch sizes
                 )})
+        for loss, (aggregation, divisor) in zip(["cispo", "sapo", "gspo_token", "grpo"], AGGREGATIONS):
+            agg = [f"aggregation={aggregation}"] + ([f"aggregation.divisor={divisor}"] if divisor else [])
+            jobs.append({"name": f"{strategy}-{loss}-terms", "case": (loss, aggregation, divisor, True),
+                         "overrides": two_rank_overrides(
+                             spread_rollouts, strategy, f"loss={loss}", *agg, *TERM_OVERRIDES, "optimizer=sgd",
+                             f"optimizer.lr={LR}", "trainer.grad_clip=0", "trainer.max_steps=1",
+                             f"trainer.docs_per_step={DOCS_PER_STEP}", f"data.max_tokens={rng.randint(14, 40)}",
+                         )})
     run_ranks(jobs, tmp_path)
     for job in jobs:
         docs = first_step_documents(tmp_path, job["name"])
