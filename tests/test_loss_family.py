@@ -88,3 +88,14 @@ def test_two_processes_split_each_batch_by_whole_groups_and_start_exactly_on_pol
     for first in (rows[0], rows[2]):  # every batch starts from the trainer's own log-probs
         assert float(first["ratio_new_old_sum"]) == float(first["num_tokens"]) and float(first["kl_new_old"]) == 0
     assert float(rows[0]["kl_ref"]) == 0.0 and float(rows[1]["kl_ref"]) > 0
+
+
+@pytest.mark.slow
+def test_a_reference_model_from_a_checkpoint(tmp_path):
+    train(compose_train_config(["logger=none", "trainer.max_steps=3"]), tmp_path / "ref")  # a trained export
+    rows = train_rows(tmp_path, "trainer.max_steps=1", "kl.coef=0.1", f"kl.reference={tmp_path / 'ref' / 'export'}")
+    assert float(rows[0]["kl_ref"]) > 0  # the starting policy is not the trained reference
+    other = run_rlcli(["train", "kl.coef=0.1", f"kl.reference={tmp_path / 'ref' / 'export'}", "model.vocab_size=40"],
+                      cwd=tmp_path)
+    assert other.returncode == 2 and "kl.reference:" in other.stderr and "token ids" in other.stderr
+    assert "Traceback" not in other.stderr
