@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from rollout_oracle import ADVANTAGE_KINDS, Expected, advantage_fields, check_load, expect_record
 
@@ -240,7 +240,11 @@ def test_parquet_wrong_column_types_are_accepted_or_rejected_row_by_row(case, ro
     vocab, max_tokens, table = case
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rollouts.parquet"
-        pq.write_table(table, path, row_group_size=row_group_size, compression=compression, use_dictionary=dictionary)
+        try:
+            pq.write_table(table, path, row_group_size=row_group_size, compression=compression,
+                           use_dictionary=dictionary)
+        except pa.ArrowNotImplementedError:  # pyarrow cannot store this mix of column types: no file to read
+            assume(False)
         if len(set(table.column_names)) < len(table.column_names):
             with pytest.raises(DataError, match="appears more than once"):
                 collect_rollouts([path], vocab_size=vocab)
