@@ -15,7 +15,7 @@ from rlcli.modules.regularizers import (
     KL_ESTIMATORS,
     Correction,
     KLPenalty,
-    check_term_options,
+    Terms,
 )
 from rlcli.modules.segments import Segments
 
@@ -30,6 +30,7 @@ __all__ = [
     "METRIC_LEVELS",
     "Correction",
     "KLPenalty",
+    "Terms",
     "LossInputs",
     "MetricPartials",
     "PolicyLoss",
@@ -38,7 +39,6 @@ __all__ = [
     "StepTotals",
     "auto_chunk_tokens",
     "check_policy_loss_options",
-    "check_term_options",
     "finalize_metrics",
     "fused_micro_batch_loss",
     "head_logprobs",

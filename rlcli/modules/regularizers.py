@@ -133,12 +133,6 @@ class Terms:
             raise ValueError(f"entropy_coef = {self.entropy_coef:g} > 0 needs entropy (with its gradient)")
 
 
-def check_term_options(kl: KLPenalty | None = None, entropy_coef: float = 0.0,
-                       correction: Correction | None = None) -> Terms:
-    """Raise ``ValueError`` naming the first invalid term option; return the checked `Terms`."""
-    return Terms.of(kl, entropy_coef, correction)
-
-
 def kl_estimate(delta: torch.Tensor, estimator: str) -> torch.Tensor:
     """``[N] -> [N]``: the estimator of SPEC's KL term at ``δ = ref − lp`` (differentiable)."""
     if estimator == "k1":

@@ -31,7 +31,7 @@ from rlcli.modules import (
     KLPenalty,
     Segments,
     StepTotals,
-    check_term_options,
+    Terms,
     micro_batch_loss,
     policy_loss,
 )
@@ -346,11 +346,11 @@ OPTION_ERRORS = [
     (lambda: Correction(high=0.0), r"^high must be"),
     (lambda: Correction(high=math.inf), r"^high must be"),
     (lambda: Correction(low=3.0, high=2.0), r"^low must be <= high; got low=3.0, high=2.0$"),
-    (lambda: check_term_options(entropy_coef=-0.01), r"^entropy_coef must be a finite number >= 0; got -0.01$"),
-    (lambda: check_term_options(entropy_coef=math.nan), r"^entropy_coef must be"),
-    (lambda: check_term_options(entropy_coef="0.1"), r"^entropy_coef must be"),
-    (lambda: check_term_options(kl=0.1), r"^kl must be a KLPenalty or None"),
-    (lambda: check_term_options(correction="mask"), r"^correction must be a Correction or None"),
+    (lambda: Terms.of(entropy_coef=-0.01), r"^entropy_coef must be a finite number >= 0; got -0.01$"),
+    (lambda: Terms.of(entropy_coef=math.nan), r"^entropy_coef must be"),
+    (lambda: Terms.of(entropy_coef="0.1"), r"^entropy_coef must be"),
+    (lambda: Terms.of(kl=0.1), r"^kl must be a KLPenalty or None"),
+    (lambda: Terms.of(correction="mask"), r"^correction must be a Correction or None"),
 ]
 
 
@@ -363,8 +363,8 @@ def test_invalid_options_raise_naming_them(make, message):
 def test_valid_edge_options():
     assert Correction(mode="mask", low=1.0, high=1.0).low == 1.0
     assert KLPenalty(coef=0.0).coef == 0.0
-    assert check_term_options(entropy_coef=0).entropy_coef == 0.0
-    assert check_term_options().kl == KLPenalty() and check_term_options().correction == Correction()
+    assert Terms.of(entropy_coef=0).entropy_coef == 0.0
+    assert Terms.of().kl == KLPenalty() and Terms.of().correction == Correction()
 
 
 def _entry_points(step):
