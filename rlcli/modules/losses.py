@@ -306,7 +306,7 @@ class SAPO(PolicyLoss):
 
 @register_loss
 @dataclass(frozen=True)
-class GSPOToken(ClippedRatioLoss):
+class GSPOToken(GSPO):
     """GSPO-token (GSPO paper §4.3): ``ℓ_t = −min(s_t·A_t, clip(s_t)·A_t)`` with per-token advantages and
     ``s_t = sg(R_d)·exp(lp_t − sg(lp_t))``, ``R_d = exp(mean_{t∈d}(lp_t − old_lp_t))``.
 
@@ -316,7 +316,6 @@ class GSPOToken(ClippedRatioLoss):
     """
 
     name = "gspo_token"
-    sequence_level = True
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         segments = inputs.segments
@@ -332,6 +331,3 @@ class GSPOToken(ClippedRatioLoss):
         token_ratio = torch.exp(log_seq_ratio) * torch.exp(labelled_logprobs - labelled_logprobs.detach())  # [N] s_t
         losses = torch.where(inputs.mask > 0, -self.clipped_objective(token_ratio, advantages), 0.0)
         return losses, RatioUnits.of_documents(rho, doc_tokens)
-
-    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
-        partials.sums["num_segments"] = units.count_weight.to(torch.float64).sum()
