@@ -139,6 +139,10 @@ class PolicyModule(L.LightningModule):
         """The ratio's denominator is the trainer's own log-probs at the start of each batch."""
         return self.loss.old_logprobs == "recompute"
 
+    def _passes(self, micro_batches: list[MicroBatch]) -> int:
+        """The most micro-batches any rank has: the passes every rank makes (stand-ins past its own)."""
+        return int(distributed.all_reduce(torch.tensor(len(micro_batches), device=self.device), "max"))
+
     def _tensors(self, batch: MicroBatch | None) -> dict[str, torch.Tensor]:
         """The micro-batch's ``[L]`` tensors on this device. ``None`` stands for a rank that has fewer
         micro-batches than the others: one ignored token, so every rank runs the same passes and
@@ -184,7 +188,7 @@ class PolicyModule(L.LightningModule):
         if not scorers:
             return
         micro_batches = [mb for part in batch.parts(0) for mb in part]
-        passes = int(distributed.all_reduce(torch.tensor(len(micro_batches), device=self.device), "max"))
+        passes = self._passes(micro_batches)
         head = dict(loss=self.loss.objective, temperature=self.loss.temperature, fp32=self.loss.fp32_lm_head,
                     chunk_tokens=self.loss.chunk_tokens)
         values: dict[int, dict] = {}
@@ -206,7 +210,7 @@ class PolicyModule(L.LightningModule):
         None when every rank has used up its data."""
         if self.batch is None or self.batch.remaining == 0:
             step = self.source.next_step(self.batches_done, self.device)
-            if distributed.all_reduce(torch.tensor(len(step.micro_batches), device=self.device), "max") == 0:
+            if self._passes(step.micro_batches) == 0:
                 return None
             trainer = self.trainer_config
             self.batch = BatchPlan(
@@ -222,7 +226,7 @@ class PolicyModule(L.LightningModule):
         if step is None:
             self.trainer.should_stop = True  # every rank has used up its data
             return None
-        passes = int(distributed.all_reduce(torch.tensor(len(step.micro_batches), device=self.device), "max"))
+        passes = self._passes(step.micro_batches)
         plan = plan_step(step.micro_batches, self.device)
         optimizer = self.optimizers()
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
