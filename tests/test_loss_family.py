@@ -99,3 +99,15 @@ def test_a_reference_model_from_a_checkpoint(tmp_path):
                       cwd=tmp_path)
     assert other.returncode == 2 and "kl.reference:" in other.stderr and "token ids" in other.stderr
     assert "Traceback" not in other.stderr
+
+
+def test_a_record_without_ref_logprobs_under_kl_reference_rollouts_is_named(tmp_path):
+    from train_helpers import rollout_record, write_jsonl
+
+    records = [rollout_record(g, ref_logprobs=[-4.5] * 4) for g in range(4)] + [rollout_record(4)]
+    data = write_jsonl(tmp_path / "ref.jsonl", records)
+    result = run_rlcli(["train", "data=rollouts", f"data.paths=[{data}]", "kl.coef=0.1", "kl.reference=rollouts",
+                        "trainer.max_steps=1"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ref.jsonl:5: no 'ref_logprobs', and kl.reference=rollouts" in result.stderr
+    assert "(1 records lack them)" in result.stderr and "Traceback" not in result.stderr

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from rlcli.data.document_stream import DocumentStream
+from rlcli.data.errors import DataError
 from rlcli.data.readers import check_temperature, load_rollouts, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
@@ -64,6 +65,11 @@ class RolloutFiles(DataKind):
         if mismatches:
             log.warning("data: %d records were sampled at a temperature other than loss.temperature=%s",
                         mismatches, cfg.loss.temperature)
+        if cfg.kl.coef > 0 and cfg.kl.reference == "rollouts":
+            lacking = [r for r in rollouts if r.ref_logprobs is None]
+            if lacking:
+                raise DataError(f"{lacking[0].source}: no 'ref_logprobs', and kl.reference=rollouts reads the "
+                                f"reference's log-probs from every record ({len(lacking)} records lack them)")
         rollouts = apply_advantage_estimator(rollouts, cfg.advantage.estimator, eps=cfg.advantage.eps)
         log.info("data: %d documents for training", len(rollouts))
         return rollouts
