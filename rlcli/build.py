@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.console import RichConsole
 from rlcli.callbacks.preemption import StopOnSignal
+from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
@@ -25,14 +26,9 @@ from rlcli.training.strategy import build_strategy
 
 def build_callbacks(specs: list[dict]) -> list[L.Callback]:
     """The ``callbacks`` list of the config: each a trusted ``_target_`` and its arguments."""
-    from hydra.utils import instantiate
-
     callbacks = []
     for i, spec in enumerate(specs):
-        try:
-            callback = instantiate(spec)
-        except Exception as err:  # a wrong _target_ or argument is the user's to fix
-            raise UserError(f"callbacks[{i}]: cannot build {spec.get('_target_')}: {err}") from None
+        callback = build_target(spec, f"callbacks[{i}]")
         if not isinstance(callback, L.Callback):
             raise UserError(f"callbacks[{i}]: {spec.get('_target_')} is not a lightning Callback")
         callbacks.append(callback)

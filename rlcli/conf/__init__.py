@@ -4,6 +4,8 @@ from importlib.resources import files
 
 from omegaconf import OmegaConf
 
+from rlcli.errors import UserError
+
 
 def example_path(name: str) -> str:
     """Path of a file shipped in ``rlcli/examples`` (used as ``${rlcli_example:NAME}``)."""
@@ -14,6 +16,17 @@ def ratio_denominator(correction_mode: str) -> str:
     """The default of ``loss.old_logprobs``: ``recompute`` when a mismatch correction needs the
     trainer's own log-probs, else ``sampler``."""
     return "sampler" if correction_mode == "none" else "recompute"
+
+
+def build_target(spec: dict, key: str):
+    """The object a validated config node's ``_target_`` names, built with its arguments; a failure
+    (a wrong target or argument) is the user's to fix: `UserError` naming ``key``."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(spec)
+    except Exception as err:
+        raise UserError(f"{key}: cannot build {spec.get('_target_')}: {err}") from None
 
 
 def register_resolvers() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
@@ -70,12 +71,7 @@ class OnPolicyGeneration(DataKind):
 
     def __init__(self, cfg, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
-        from hydra.utils import instantiate
-
-        try:
-            self.task = instantiate(cfg.task)
-        except Exception as err:  # a wrong _target_ or argument is the user's to fix
-            raise UserError(f"task: cannot build {cfg.task.get('_target_')}: {err}") from None
+        self.task = build_target(cfg.task, "task")
 
     @property
     def default_vocab_size(self) -> int:
