@@ -113,6 +113,32 @@ class GenerateDataConfig:
 
 
 @dataclass
+class StreamDataConfig:
+    kind: Literal["stream"]
+    url: Optional[str]
+    stream: str
+    group: str
+    max_tokens: int = bounded(ge=2)
+    max_lag: int = bounded(ge=0)
+    allow_temperature_mismatch: bool
+    wait_warning: float = bounded(gt=0)
+    idle_timeout: Optional[float] = bounded(gt=0)
+
+
+@dataclass
+class PublishConfig:
+    dir: Optional[str]
+    every: int = bounded(ge=1)
+    keep: int = bounded(ge=1)
+
+
+@dataclass
+class SampleConfig:
+    workers: int = bounded(ge=1)
+    max_queue: int = bounded(ge=1)
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = bounded(ge=1)
     group_size: int = bounded(ge=1)
@@ -232,9 +258,11 @@ class TrainConfig:
     aggregation: AggregationConfig
     metrics: MetricsConfig
     model: Union[TinyModelConfig, HFModelConfig]
-    data: Union[RolloutDataConfig, GenerateDataConfig]
-    rollout: Optional[RolloutConfig]  # with data=generate
-    task: Optional[Any]  # with data=generate: a `_target_` and its arguments
+    data: Union[RolloutDataConfig, GenerateDataConfig, StreamDataConfig]
+    rollout: Optional[RolloutConfig]  # with data=generate or stream
+    task: Optional[Any]  # with data=generate or stream: a `_target_` and its arguments
+    publish: Optional[PublishConfig]  # with data=stream
+    sample: Optional[SampleConfig]  # with data=stream
     advantage: AdvantageConfig
     optimizer: Union[AdamWConfig, SGDConfig]
     trainer: TrainerConfig
