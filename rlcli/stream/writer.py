@@ -1,0 +1,130 @@
+"""Pushing rollout records into a Redis stream: what a sampler needs from rlcli.
+
+A record is a SPEC §7 record plus ``id`` (a string unique in the stream) and ``policy_version``
+(the weights version that sampled it, an int >= 0). It must also carry ``advantage`` (one value for all
+completion tokens) or ``advantages`` (one per token): the trainer of a stream reads a group in
+pieces and cannot normalise rewards within it, so a sampler that has only rewards fills them with
+`group_advantages_for` first. The writer checks these fields and that the record is JSON; the
+trainer checks the rest and rejects a bad record with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from rlcli.data.errors import format_problem
+from rlcli.rollout.advantages import group_advantages
+from rlcli.stream.connection import connect
+from rlcli.stream.records import DEFAULT_STREAM, FIELD, encode
+
+# Adds one entry per argument after the first (the field's name) and returns their IDs: a batch is
+# one round trip, and all of it or none of it is in the stream.
+_XADD_MANY = """
+local ids = {}
+for i = 2, #ARGV do ids[i - 1] = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i]) end
+return ids
+"""
+
+
+def check_record(record: Mapping[str, Any], where: str) -> dict[str, str]:
+    """The stream entry's fields for ``record``; a ``ValueError`` starting with ``where`` when the
+    record lacks ``id``, ``policy_version`` or an advantage, or holds a value JSON cannot (NaN, ...)."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(record).__name__}")
+    record_id = record.get("id")
+    if not isinstance(record_id, str) or not record_id:
+        raise ValueError(format_problem(where, "id", f"is {record_id!r}, expected a non-empty string"))
+    version = record.get("policy_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(format_problem(where, "policy_version", f"is {version!r}, expected an int >= 0"))
+    if record.get("advantage") is None and record.get("advantages") is None:
+        raise ValueError(f"{where}: no 'advantage' or 'advantages' (fill them from 'reward' with "
+                         "rlcli.stream.group_advantages_for)")
+    if not _is_json(record):
+        field = next((k for k, v in record.items() if not _is_json(v)), None)
+        raise ValueError(format_problem(where, field, "is not JSON (NaN, infinity, or a value of a type JSON has not)"))
+    return encode(record)
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def group_advantages_for(
+    records: Sequence[Mapping[str, Any]],
+    estimator: str = "grpo",
+    *,
+    eps: float = 1e-6,
+    names: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Copies of ``records`` where each one without ``advantage``/``advantages`` gets ``advantage``
+    from its ``reward`` within the records sharing its ``group_id``.
+
+    ``estimator`` is ``grpo`` (``(r - mean) / (std + eps)``, population std) or ``dr_grpo``
+    (``r - mean``), as in `rlcli.rollout.advantages.group_advantages`; records that carry an advantage
+    are kept as they are and left out of the groups. Give whole groups: a group split across two
+    calls is normalised in two pieces. Errors name the record as ``names[i]`` (default ``record i``).
+    """
+    names = names if names is not None else [f"record {i}" for i in range(len(records))]
+    pending = [i for i, r in enumerate(records) if r.get("advantage") is None and r.get("advantages") is None]
+    for i in pending:
+        reward, group_id = records[i].get("reward"), records[i].get("group_id")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(format_problem(names[i], "reward", f"is {reward!r}, expected a finite number "
+                                            "(the record has no 'advantage' or 'advantages')"))
+        if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
+            raise ValueError(format_problem(names[i], "group_id", f"is {group_id!r}, expected a string or an int "
+                                            "(the record has no 'advantage' or 'advantages')"))
+    values = group_advantages([records[i]["reward"] for i in pending], [records[i]["group_id"] for i in pending],
+                              estimator, eps=eps)
+    result = [dict(r) for r in records]
+    for i, value in zip(pending, values):
+        result[i]["advantage"] = value
+    return result
+
+
+class StreamWriter:
+    """Pushes records into the Redis stream ``stream`` at ``url``.
+
+    ``connect``'s `UserError` (naming ``key``) when nothing answers at ``url``; afterwards a push
+    rides out a server restart. A push interrupted after the server took it is retried, so an entry
+    may, rarely, be in the stream twice (its ``id`` tells the copies apart from other records).
+    """
+
+    def __init__(self, url: str, stream: str = DEFAULT_STREAM, *, key: str = "url") -> None:
+        self.stream = stream
+        self.conn = connect(url, key)
+
+    def push(self, record: Mapping[str, Any]) -> str:
+        """Add ``record`` (checked by `check_record`) to the stream; its entry ID."""
+        return self.conn.call("xadd", self.stream, check_record(record, "record 0"))
+
+    def push_many(self, records: Iterable[Mapping[str, Any]], *, names: Sequence[str] | None = None) -> list[str]:
+        """Add ``records`` in one round trip, all checked before any is added; their entry IDs in order.
+        Errors name a record as ``names[i]`` (default ``record i``)."""
+        records = list(records)
+        names = names if names is not None else [f"record {i}" for i in range(len(records))]
+        payloads = [check_record(r, name)[FIELD] for r, name in zip(records, names, strict=True)]
+        if not payloads:
+            return []
+        return self.conn.call("eval", _XADD_MANY, 1, self.stream, FIELD, *payloads)
+
+    def length(self) -> int:
+        """The number of entries in the stream."""
+        return int(self.conn.call("xlen", self.stream))
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> StreamWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
