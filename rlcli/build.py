@@ -17,9 +17,11 @@ from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
+from rlcli.loggers.documents import DocumentsLog
 from rlcli.model.policy import build_policy
 from rlcli.training.module import PolicyModule
 from rlcli.training.optim import build_optimizer
+from rlcli.training.publish import WeightPublisher
 from rlcli.training.sources import DATA_KINDS
 from rlcli.training.strategy import build_strategy
 
@@ -78,6 +80,15 @@ def build_reference(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Modul
     return reference
 
 
+def build_publisher(cfg: TrainConfig, run_dir: Path) -> WeightPublisher | None:
+    """The weights' way back to the samplers of a stream (``publish``); None for other data."""
+    if cfg.data.kind != "stream":
+        return None
+    p = cfg.publish
+    return WeightPublisher(Path(p.dir) if p.dir else run_dir / "weights", url=cfg.data.url, stream=cfg.data.stream,
+                           every=p.every, keep=p.keep, model_cfg=cfg.model)
+
+
 def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trainer]:
     """Policy, data, module and trainer of a validated config (seed the RNGs first); ``resolved`` is the
     same config as Hydra composed it, for the console and the loggers."""
@@ -88,5 +99,6 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tup
         policy, cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction, cfg.trainer,
         partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps), data.source_factory(policy),
         seed=cfg.seed, max_tokens=cfg.data.max_tokens, reference=build_reference(cfg, policy), shard=shard,
+        documents_log=DocumentsLog(run_dir / "documents.jsonl"), publisher=build_publisher(cfg, run_dir),
     )
     return module, build_trainer(cfg, resolved, run_dir, strategy)

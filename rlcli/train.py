@@ -36,21 +36,6 @@ def _log_through_root_once() -> None:
                 logging.getLogger(name).removeHandler(handler)
 
 
-def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
-    """Write the trained policy in Hugging Face format (safetensors), gathered from every shard."""
-    from rlcli.model.policy import save_tokenizer_if_any
-
-    prefix = "scorer.policy."
-    full = trainer.strategy.lightning_module_state_dict()  # a collective for sharded strategies
-    if trainer.is_global_zero:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-        state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
-        module.policy.save_pretrained(export_dir, state_dict=state)
-        save_tokenizer_if_any(model_cfg, export_dir)
-
-
 def train(cfg: DictConfig, run_dir: Path):
     """Train as ``cfg`` says, writing everything into ``run_dir`` (the export in
     ``run_dir/export``); returns the trained `PolicyModule`."""
@@ -61,6 +46,7 @@ def train(cfg: DictConfig, run_dir: Path):
     from rlcli.callbacks.checkpoint import find_resume_checkpoint
     from rlcli.conf.validate import resolve_config, validate_config
     from rlcli.loggers import finish_loggers
+    from rlcli.training.export import export_policy
 
     resolved, cfg = resolve_config(cfg), validate_config(cfg)
     _log_through_root_once()

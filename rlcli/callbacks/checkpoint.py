@@ -18,12 +18,25 @@ from rlcli.errors import UserError
 STEP_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_atomically(trainer: L.Trainer, path: Path) -> None:
-    """Write a checkpoint to ``path`` so that it either exists complete or not at all."""
+    """Write a checkpoint to ``path`` so that it either exists complete or not at all, and tell the
+    module once it is durable (on disk, renamed, on every rank)."""
     partial = path.with_name(path.name + ".tmp")
     trainer.save_checkpoint(partial)  # every rank takes part; rank 0 writes
     if trainer.is_global_zero:
+        _fsync(partial)
         os.replace(partial, path)
+        _fsync(path.parent)
+    trainer.strategy.barrier("rlcli-checkpoint-durable")
+    trainer.lightning_module.checkpoint_durable()
 
 
 class StepCheckpoint(L.Callback):

@@ -314,8 +314,8 @@ def _check_loss_terms(cfg: DictConfig, problems: list[str]) -> None:
     coef = kl.get("coef")
     if not (isinstance(coef, (int, float)) and coef > 0):
         return
-    if kl.get("reference") == "rollouts" and data.get("kind") != "rollouts":
-        problems.append("kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts")
+    if kl.get("reference") == "rollouts" and data.get("kind") not in ("rollouts", "stream"):
+        problems.append("kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts or stream")
     if kl.get("reference") != "rollouts" and strategy.get("name") in ("fsdp", "fsdp2"):
         problems.append("kl.reference: a reference model runs with strategy=auto or ddp; with fsdp/fsdp2 give "
                         "the rollouts' ref_logprobs (kl.reference=rollouts)")

@@ -259,8 +259,8 @@ def _rejections_message(rejections: Sequence[Rejection], num_valid: int) -> str:
     return "\n".join(lines)
 
 
-def write_rejections(rejections: Sequence[Rejection], path: str | Path) -> None:
-    """Write one JSON line per rejection: ``source``, ``field``, ``reason`` and the raw ``record``.
+def write_rejections(rejections: Sequence[Rejection], path: str | Path, *, append: bool = False) -> None:
+    """Write (or ``append``) one JSON line per rejection: ``source``, ``field``, ``reason`` and the raw ``record``.
 
     Records may hold NaN or Infinity (written as JSON's ``NaN``/``Infinity``, which ``json.loads``
     reads back) and, from Parquet, values JSON cannot hold (written as strings). A record nested
@@ -268,7 +268,7 @@ def write_rejections(rejections: Sequence[Rejection], path: str | Path) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as handle:
+    with path.open("a" if append else "w", encoding="utf-8") as handle:
         for rejection in rejections:
             # Not dataclasses.asdict: it deep-copies the record, recursing once per nesting level.
             entry = {

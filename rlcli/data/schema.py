@@ -23,6 +23,7 @@ class Rollout:
     ``proximal_logprobs`` are the trainer's own at the start of a batch, when it computes them.
     ``source`` is where the record came from (``"a.jsonl:12"``, 1-based line, or
     ``"b.parquet:row 3"``, 0-based row); ``index`` is its position among the dataset's documents.
+    A record read from a stream also has its own ``id`` and the ``policy_version`` that sampled it.
     """
 
     prompt_ids: tuple[int, ...]
@@ -37,6 +38,13 @@ class Rollout:
     index: int
     ref_logprobs: tuple[float, ...] | None = None
     proximal_logprobs: tuple[float, ...] | None = None
+    id: str | None = None
+    policy_version: int | None = None
+
+    @property
+    def name(self) -> str:
+        """What ``documents.jsonl`` calls it: its ``id`` if it has one, else its ``source``."""
+        return self.source if self.id is None else self.id
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from rlcli.conf.schema import AggregationConfig, CorrectionConfig, KLConfig, LossConfig, TrainerConfig
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
+from rlcli.loggers.documents import DocumentsLog
 from rlcli.loggers.metrics_csv import MetricsCSVLogger
 from rlcli.model.scorer import TokenScorer
 from rlcli.modules import Correction, KLPenalty
@@ -27,6 +28,7 @@ from rlcli.modules.fused_head import fused_micro_batch_loss, head_logprobs
 from rlcli.modules.metrics import MetricPartials, finalize_metrics
 from rlcli.training import distributed
 from rlcli.training.batches import BatchPlan, Update
+from rlcli.training.publish import WeightPublisher
 from rlcli.training.sources import StepSource
 from rlcli.training.step import StepPlan, mean_over_ranks, plan_step, reduce_partials
 
@@ -63,7 +65,8 @@ class PolicyModule(L.LightningModule):
     ``make_source(rank, world_size)`` builds this rank's `StepSource` (`rlcli.training.sources`); the
     dataloader given to ``Trainer.fit`` only ticks steps. ``shard(scorer, device_mesh)`` returns the
     scorer sharded for FSDP1 or FSDP2 (`rlcli.training.strategy`). ``reference`` is the frozen
-    reference policy of the KL penalty, when its log-probs come from a model.
+    reference policy of the KL penalty, when its log-probs come from a model. ``documents_log``
+    records which documents trained each update; ``publisher`` sends the weights to samplers.
     """
 
     def __init__(
@@ -82,6 +85,8 @@ class PolicyModule(L.LightningModule):
         max_tokens: int,
         reference: torch.nn.Module | None = None,
         shard: Callable | None = None,
+        documents_log: DocumentsLog | None = None,
+        publisher: WeightPublisher | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -101,6 +106,8 @@ class PolicyModule(L.LightningModule):
         self.make_optimizer = make_optimizer
         self.make_source = make_source
         self.shard = shard
+        self.documents_log = documents_log
+        self.publisher = publisher
         self.source: StepSource | None = None
         self.batch: BatchPlan | None = None  # the batch whose updates are being made
         self.batches_done = 0  # batches taken from the source
@@ -126,6 +133,19 @@ class PolicyModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.source = self.make_source(self.global_rank, self.trainer.world_size)
+
+    def on_train_start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self, self.steps_done)  # the weights samplers start from
+
+    def on_train_end(self) -> None:
+        if self.publisher is not None:
+            # a run stopped by a signal continues later: its samplers keep waiting
+            self.publisher.publish(self, self.steps_done, final=not self.preempted)
+
+    def checkpoint_durable(self) -> None:
+        """The checkpoint just saved is on disk: the source may confirm what it holds."""
+        self.source.checkpoint_durable()
 
     def configure_optimizers(self):
         optimizer, scheduler = self.make_optimizer(self.scorer)
@@ -246,6 +266,13 @@ class PolicyModule(L.LightningModule):
         self.documents_seen += num_documents
         lr = optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         metrics["grad_norm"] = self._update(optimizer, float(metrics["loss"]), plan)
+        self.source.after_update(self.steps_done)
+        if self.documents_log is not None:
+            names = [doc.name for batch in step.micro_batches for doc in batch.documents]
+            self.documents_log.append(self.steps_done, [n for rank in distributed.all_gather_objects(names)
+                                                        for n in rank])
+        if self.publisher is not None and self.publisher.due(self.steps_done):
+            metrics["weight_publish_time"] = self.publisher.publish(self, self.steps_done)
         metrics |= {"documents_seen": self.documents_seen, "empty_steps": self.empty_steps,
                     "bad_steps": self.bad_steps, "lr": lr}
         metrics |= mean_over_ranks(step.stats, self.device)
@@ -285,7 +312,6 @@ class PolicyModule(L.LightningModule):
         optimizer.step()
         optimizer.zero_grad()
         self.lr_schedulers().step()
-        self.source.after_update(self.steps_done)
         return grad_norm
 
     def _log_step(self, metrics: dict) -> None:
@@ -332,3 +358,5 @@ class PolicyModule(L.LightningModule):
         for logger in self.loggers:
             if isinstance(logger, MetricsCSVLogger):
                 logger.resume_at(self.steps_done)
+        if self.documents_log is not None:
+            self.documents_log.resume_at(self.steps_done)

@@ -20,11 +20,11 @@ def test_every_data_kind_of_the_schema_has_a_source_and_the_groups_it_reads():
     kinds = {typing.get_args(typing.get_type_hints(c)["kind"])[0]
              for c in typing.get_args(typing.get_type_hints(TrainConfig)["data"])}
     assert kinds == set(DATA_KINDS)
-    assert GROUPS_OF_DATA_KINDS == ("rollout", "task")
+    assert GROUPS_OF_DATA_KINDS == ("rollout", "task", "publish", "sample")
 
 
 @pytest.mark.slow
-def test_after_update_follows_each_update_and_no_skipped_step(tmp_path, monkeypatch):
+def test_after_update_follows_every_step_with_the_policy_version(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(RolloutFileSource, "after_update", lambda self, step: calls.append(step))
     overrides = ["data=rollouts", "trainer.max_steps=3", "trainer.accumulate_microbatches=1", "logger=none",
@@ -33,4 +33,4 @@ def test_after_update_follows_each_update_and_no_skipped_step(tmp_path, monkeypa
     with (tmp_path / "metrics.csv").open() as f:
         bad_steps = [row["bad_steps"] for row in csv.DictReader(f)]
     assert bad_steps == ["0.0", "1.0", "1.0", "1.0"]  # step 2 made no update, so a fourth step ran
-    assert calls == [1, 3, 4] and module.steps_done == 4
+    assert calls == [1, 2, 3, 4] and module.steps_done == 4  # step 2 made no update but is a version

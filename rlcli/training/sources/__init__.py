@@ -12,8 +12,11 @@ from __future__ import annotations
 from rlcli.training.sources.base import DataKind, StepSource
 from rlcli.training.sources.files import RolloutFiles
 from rlcli.training.sources.generate import OnPolicyGeneration
+from rlcli.training.sources.stream import StreamRollouts
 
-DATA_KINDS: dict[str, type[DataKind]] = {"rollouts": RolloutFiles, "generate": OnPolicyGeneration}
+DATA_KINDS: dict[str, type[DataKind]] = {
+    "rollouts": RolloutFiles, "generate": OnPolicyGeneration, "stream": StreamRollouts,
+}
 # the top-level groups some data kind reads: present without such a kind, they are a config error
 GROUPS_OF_DATA_KINDS = tuple(dict.fromkeys(group for kind in DATA_KINDS.values() for group in kind.groups))
 

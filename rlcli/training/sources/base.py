@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 class StepSource(ABC):
     """One rank's supply of steps. ``next_step`` returns this rank's micro-batches of the next step
     (an empty step on every rank ends the run); ``state_dict``/``load_state_dict`` hold what a
-    checkpoint needs to continue exactly; ``after_update(step)`` is called after every optimizer
-    update that step ``step`` (counted as in ``metrics.csv``) made, on every rank."""
+    checkpoint needs to continue exactly; ``after_update(step)`` is called on every rank after each
+    training step (``step`` counts them as ``metrics.csv`` does: the policy's version), and
+    ``checkpoint_durable()`` once the checkpoint of the latest ``state_dict`` is safely on disk."""
 
     @abstractmethod
     def next_step(self, step: int, device: torch.device) -> CollectedStep:
@@ -34,7 +35,11 @@ class StepSource(ABC):
         return None
 
     def after_update(self, step: int) -> None:
-        """Nothing to do after an update unless the source says otherwise."""
+        """Nothing to do after a step unless the source says otherwise."""
+        return None
+
+    def checkpoint_durable(self) -> None:
+        """Nothing to confirm to anyone unless the source says otherwise."""
         return None
 
 

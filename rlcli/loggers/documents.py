@@ -1,0 +1,45 @@
+"""``documents.jsonl`` in the run directory: which documents trained each update, for auditing.
+
+One line per optimizer update, ``{"step": N, "ids": [...]}``, with the documents of every process:
+a rollout file's ``path:line`` (or ``path:row N``), a generated rollout's stable source name, or a
+stream record's ``id``. A resumed run keeps the lines up to the step it resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class DocumentsLog:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._continue = False  # append to the file (a resumed run) rather than start it anew
+
+    @rank_zero_only
+    def append(self, step: int, ids: Sequence[str]) -> None:
+        with self.path.open("a" if self._continue else "w", encoding="utf-8") as handle:
+            self._continue = True
+            handle.write(json.dumps({"step": step, "ids": list(ids)}) + "\n")
+
+    @rank_zero_only
+    def resume_at(self, step: int) -> None:
+        """Keep the lines of steps up to ``step`` (rewritten atomically); later steps are trained again."""
+        self._continue = True
+        if not self.path.is_file():
+            return
+        kept = []
+        with self.path.open(encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except ValueError:  # the torn last line of a killed run
+                    break
+        partial = self.path.with_name(self.path.name + ".tmp")
+        partial.write_text("".join(kept), encoding="utf-8")
+        os.replace(partial, self.path)

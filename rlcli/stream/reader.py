@@ -1,0 +1,262 @@
+"""One trainer process's reader of the rollout stream: a consumer of the trainer's consumer group.
+
+It hands out validated documents packed into micro-batches like `DocumentStream` (so `collect_step`
+builds static and ``docs_per_step`` steps from it unchanged) and keeps the books that make training
+exactly-once across crashes:
+
+- an entry read from Redis stays *pending* in the group until `acknowledge` is called for it, which
+  the trainer does only once a checkpoint holding the update that trained it is durable;
+- `resolve` marks entries whose documents went into a step; a rejected or stale record is resolved
+  at once. `state_dict` lists the resolved, unacknowledged entries; a resumed reader acknowledges
+  those and reads the rest of its pending entries again, in stream order, before any new one.
+
+Rejected records (SPEC §7 rules, or no ``id``/``policy_version``/advantages) and stale ones (sampled
+more than ``max_lag`` versions before the trainer's) are written to ``rejected.jsonl`` and to the
+``<stream>:rejected`` stream with their reason; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import redis
+
+from rlcli.data.errors import RecordError
+from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.readers import Rejection, write_rejections
+from rlcli.data.schema import Rollout, validate_record
+from rlcli.stream.connection import RedisConnection
+from rlcli.stream.records import decode, encode, rejected_key
+
+log = logging.getLogger("rlcli")
+
+READ_COUNT = 8  # entries per read: small, so that the processes of one trainer share the stream evenly
+BLOCK_MS = 500  # how long one blocking read waits for new entries
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """What a reader checks records against and how long it waits (see ``conf/data/stream.yaml``)."""
+
+    stream: str
+    group: str
+    max_tokens: int
+    vocab_size: int
+    max_lag: int
+    temperature: float
+    allow_temperature_mismatch: bool
+    need_ref_logprobs: bool
+    wait_warning: float
+    idle_timeout: float | None
+
+
+class StreamReader:
+    """Consumer ``consumer`` of the group; `next_micro_batch` blocks until a record comes (or the idle
+    timeout passes), and `version` is the trainer's version that staleness is measured against."""
+
+    def __init__(self, conn: RedisConnection, options: ReaderOptions, consumer: str, rejected_path: Path) -> None:
+        self.conn = conn
+        self.options = options
+        self.consumer = consumer
+        self.rejected_path = rejected_path
+        self.version = 0
+        self.carried: deque[Rollout] = deque()  # given back or read past a full micro-batch; served first
+        self.fetched: deque[tuple[str, dict]] = deque()  # entries read from Redis, not yet looked at
+        self.entry_of: dict[int, str] = {}  # document index -> its entry ID, until resolved
+        self.seen: set[str] = set()  # entry IDs read and not yet acknowledged
+        self.resolved: list[str] = []  # entry IDs done with (trained, rejected or dropped), not yet acknowledged
+        self.stale_dropped = 0  # records dropped for staleness, in all
+        self.wait_time = 0.0  # seconds blocked on an empty stream since `take_wait_time`
+        self._count = 0  # documents read: their index
+        self._backlog: str | None = "0"  # where to read this consumer's pending entries from; None: read new ones
+        self._reconnects = conn.reconnects
+        try:
+            conn.call("xgroup_create", options.stream, options.group, id="0", mkstream=True)
+        except redis.ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    # -- the DocumentStream interface used by collect_step
+
+    def next_micro_batch(self) -> MicroBatch | None:
+        """The next documents that fit in ``max_tokens``; waits for the first one (None after the idle timeout)."""
+        taken: list[Rollout] = []
+        used = 0
+        while (doc := self._next_document(wait=not taken)) is not None:
+            if used + doc.num_tokens > self.options.max_tokens:
+                self.carried.appendleft(doc)
+                break
+            taken.append(doc)
+            used += doc.num_tokens
+        return make_micro_batch(taken) if taken else None
+
+    def next_micro_batches(self, count: int) -> list[MicroBatch]:
+        batches = []
+        while len(batches) < count and (batch := self.next_micro_batch()) is not None:
+            batches.append(batch)
+        return batches
+
+    def give_back(self, documents: Sequence[Rollout]) -> None:
+        self.carried.extendleft(reversed(documents))
+
+    # -- exactly-once bookkeeping
+
+    def resolve(self, documents: Sequence[Rollout]) -> None:
+        """``documents`` went into a step: their entries are acknowledged with the next durable checkpoint."""
+        self.resolved += [self.entry_of.pop(doc.index) for doc in documents]
+
+    def state_dict(self) -> dict:
+        return {"version": self.version, "resolved": list(self.resolved), "stale_dropped": self.stale_dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after a checkpoint: its resolved entries were trained, so they are acknowledged; every
+        other pending entry of this consumer is read again."""
+        self.version, self.stale_dropped = state["version"], state["stale_dropped"]
+        self.resolved = []
+        self.acknowledge(state["resolved"])
+
+    def acknowledge(self, entries: Sequence[str]) -> None:
+        """Acknowledge ``entries`` (trained by a durable checkpoint) and trim what no group needs any more."""
+        if not entries:
+            return
+        done = set(entries)
+        self.conn.call("xack", self.options.stream, self.options.group, *entries)
+        self.seen -= done
+        self.resolved = [e for e in self.resolved if e not in done]
+        self._trim()
+
+    def queue_depth(self) -> int:
+        from rlcli.stream.queue import unread
+
+        return unread(self.conn, self.options.stream, self.options.group)
+
+    def take_wait_time(self) -> float:
+        """Seconds blocked on an empty stream since the last call."""
+        waited, self.wait_time = self.wait_time, 0.0
+        return waited
+
+    # -- reading
+
+    def _next_document(self, wait: bool) -> Rollout | None:
+        if self.carried:
+            return self.carried.popleft()
+        started = warned = time.monotonic()
+        waited = False
+        try:
+            while True:
+                while self.fetched:
+                    doc = self._accept(*self.fetched.popleft())
+                    if doc is not None:
+                        return doc
+                if self._fetch(block=wait):
+                    continue
+                if not wait:
+                    return None
+                waited, now = True, time.monotonic()
+                if now - warned >= self.options.wait_warning:
+                    log.warning("stream: no rollouts for %.0f s on %s; is a sampler running?", now - started,
+                                self.options.stream)
+                    warned = now
+                if self.options.idle_timeout is not None and now - started >= self.options.idle_timeout:
+                    log.warning("stream: no rollouts for %.0f s (data.idle_timeout); ending the run", now - started)
+                    return None
+        finally:
+            if waited:
+                self.wait_time += time.monotonic() - started
+
+    def _fetch(self, block: bool) -> bool:
+        """Read entries into ``fetched``: this consumer's pending ones first (after a start or a reconnect,
+        when a reply may have been lost), then new ones. False when there was nothing to read."""
+        if self.conn.reconnects != self._reconnects:
+            self._reconnects, self._backlog = self.conn.reconnects, "0"
+        o = self.options
+        if self._backlog is not None:
+            reply = self.conn.call("xreadgroup", o.group, self.consumer, {o.stream: self._backlog}, count=READ_COUNT)
+            entries = reply[0][1] if reply else []
+            if entries:
+                self._backlog = entries[-1][0]
+                self.fetched.extend((entry, fields) for entry, fields in entries if entry not in self.seen)
+                return True
+            self._backlog = None
+        reply = self.conn.call("xreadgroup", o.group, self.consumer, {o.stream: ">"}, count=READ_COUNT,
+                               block=BLOCK_MS if block else None)
+        entries = reply[0][1] if reply else []
+        self.fetched.extend(entries)
+        return bool(entries)
+
+    def _accept(self, entry: str, fields: dict | None) -> Rollout | None:
+        """The entry's document, or None when it is rejected, stale or deleted (then it is resolved)."""
+        self.seen.add(entry)
+        if not fields:  # trimmed or deleted while pending: nothing to train
+            self.resolved.append(entry)
+            return None
+        source = f"{self.options.stream} {entry}"
+        raw = None
+        try:
+            raw = decode(fields)
+            doc = self._validate(raw, source)
+        except (ValueError, RecordError) as err:
+            field, reason = (err.field, err.reason) if isinstance(err, RecordError) else (None, str(err))
+            self._reject(entry, Rejection(source, field, reason, raw if isinstance(raw, dict) else None))
+            return None
+        staleness = self.version - doc.policy_version
+        if staleness > self.options.max_lag:
+            self.stale_dropped += 1
+            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
+                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
+            self._reject(entry, Rejection(source, "policy_version", reason, raw))
+            return None
+        self.entry_of[doc.index] = entry
+        return doc
+
+    def _validate(self, raw, source: str) -> Rollout:
+        o = self.options
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        record_id, version = raw.get("id"), raw.get("policy_version")
+        if not isinstance(record_id, str) or not record_id:
+            raise RecordError(source, "id", "missing or not a non-empty string (every stream record needs one)")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RecordError(source, "policy_version", f"is {version!r}, expected an int >= 0")
+        doc = validate_record(raw, source=f"{source} (id {record_id})", index=self._count, vocab_size=o.vocab_size,
+                              max_tokens=o.max_tokens)
+        if doc.advantages is None:
+            raise RecordError(doc.source, "advantages", "missing: a stream record carries its advantages (compute "
+                              "them per group in the sampler, e.g. rlcli.stream.group_advantages_for)")
+        if o.need_ref_logprobs and doc.ref_logprobs is None:
+            raise RecordError(doc.source, "ref_logprobs", "missing, and kl.reference=rollouts needs them")
+        if (doc.temperature is not None and not o.allow_temperature_mismatch
+                and not math.isclose(doc.temperature, o.temperature, rel_tol=0, abs_tol=1e-6)):
+            raise RecordError(doc.source, "temperature", f"sampled at {doc.temperature} but loss.temperature="
+                              f"{o.temperature} (data.allow_temperature_mismatch=true trains on it anyway)")
+        self._count += 1
+        return replace(doc, id=record_id, policy_version=version)
+
+    def _reject(self, entry: str, rejection: Rejection) -> None:
+        write_rejections([rejection], self.rejected_path, append=True)
+        reject = {"entry": entry, "field": rejection.field, "reason": rejection.reason}
+        self.conn.call("xadd", rejected_key(self.options.stream),
+                       encode({**reject, "record": json.dumps(rejection.record, default=str)}))
+        log.warning("stream: rejected %s", rejection)
+        self.resolved.append(entry)
+
+    def _trim(self) -> None:
+        """Delete the entries older than every group's oldest pending or undelivered one."""
+        stream = self.options.stream
+        needed = []
+        for info in self.conn.call("xinfo_groups", stream):
+            if info["pending"]:
+                needed.append(self.conn.call("xpending", stream, info["name"])["min"])
+            else:
+                ms, seq = info["last-delivered-id"].split("-")
+                needed.append(f"{ms}-{int(seq) + 1}")
+        if needed:
+            oldest = min(needed, key=lambda e: tuple(int(p) for p in e.split("-")))
+            self.conn.call("xtrim", stream, minid=oldest, approximate=False)

@@ -1,0 +1,20 @@
+"""Writing the policy in Hugging Face format, gathered from every shard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
+    """Write the trained policy in Hugging Face format (safetensors), gathered from every shard."""
+    from rlcli.model.policy import save_tokenizer_if_any
+
+    prefix = "scorer.policy."
+    full = trainer.strategy.lightning_module_state_dict()  # a collective for sharded strategies
+    if trainer.is_global_zero:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        module.policy.save_pretrained(export_dir, state_dict=state)
+        save_tokenizer_if_any(model_cfg, export_dir)

@@ -1,0 +1,63 @@
+"""Weights back to the samplers: the policy in Hugging Face format at ``publish.dir/v<version>/``,
+announced in Redis at ``<stream>:weights`` as ``{version, path, documents_seen, final}``.
+
+The version is the number of training steps done (v0: the starting weights). Rank 0 writes under a
+temporary name and renames, so a sampler never loads a half-written version; the policy is gathered
+from every shard first (a collective, so every rank calls `publish`). The newest ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from rlcli.stream.connection import connect
+from rlcli.stream.queue import announce_weights
+from rlcli.training.export import export_policy
+
+VERSION_DIR = re.compile(r"v(\d+)")
+
+
+class WeightPublisher:
+    def __init__(self, directory: Path, *, url: str, stream: str, every: int, keep: int, model_cfg) -> None:
+        self.directory = Path(directory).absolute()
+        self.url = url
+        self.stream = stream
+        self.every = every
+        self.keep = keep
+        self.model_cfg = model_cfg
+        self.published: int | None = None  # the newest version published by this process
+        self._conn = None
+
+    def due(self, version: int) -> bool:
+        return version % self.every == 0 and version != self.published
+
+    def publish(self, module, version: int, *, final: bool = False) -> float:
+        """Publish the module's policy as ``version`` (on every rank); returns the seconds it took."""
+        started = time.perf_counter()
+        trainer = module.trainer
+        if version != self.published:
+            partial = self.directory / f".v{version}.partial"
+            export_policy(module, trainer, partial, self.model_cfg)
+            if trainer.is_global_zero:
+                target = self.directory / f"v{version}"
+                shutil.rmtree(target, ignore_errors=True)  # a resumed run publishes its version again
+                partial.rename(target)
+                self._prune()
+            self.published = version
+        if trainer.is_global_zero:
+            if self._conn is None:
+                self._conn = connect(self.url)
+            announce_weights(self._conn, self.stream, {
+                "version": version, "path": str(self.directory / f"v{version}"),
+                "documents_seen": module.documents_seen, "final": final,
+            })
+        return time.perf_counter() - started
+
+    def _prune(self) -> None:
+        versions = sorted((int(m.group(1)), path) for path in self.directory.iterdir()
+                          if (m := VERSION_DIR.fullmatch(path.name)))
+        for _, path in versions[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""``data=stream``: steps from rollouts that samplers push into a Redis stream while the trainer trains.
+
+Each process reads through the trainer's consumer group (`rlcli.stream.reader.StreamReader`); a step
+is built by `collect_step` as for files (static, or ``docs_per_step``). The checkpoint holds the
+entries trained since the last acknowledgement, and `checkpoint_durable` acknowledges them, so a
+killed trainer resumed with ``resume=auto`` trains every record exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from rlcli.conf import build_target
+from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
+from rlcli.stream.connection import connect
+from rlcli.stream.reader import ReaderOptions, StreamReader
+from rlcli.training import distributed
+from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.step import CollectedStep, collect_step
+
+
+class StreamSource(StepSource):
+    """This process's steps from the stream, and the staleness and queue statistics of each."""
+
+    def __init__(self, reader: StreamReader, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
+        self.reader = reader
+        self.accumulate_microbatches = accumulate_microbatches
+        self.docs_per_step = docs_per_step
+        self.exact = exact
+        self._acknowledge_next: list[str] = []  # resolved entries in the checkpoint being written
+
+    def next_step(self, step: int, device: torch.device) -> CollectedStep:
+        reader = self.reader
+        collected = collect_step(reader, accumulate_microbatches=self.accumulate_microbatches,
+                                 docs_per_step=self.docs_per_step, exact=self.exact, device=device)
+        documents = [doc for batch in collected.micro_batches for doc in batch.documents]
+        reader.resolve(documents)
+        staleness = [reader.version - doc.policy_version for doc in documents]
+        # [3] summed and [1] maximised over ranks: every rank logs the same values
+        sums = distributed.all_reduce(torch.tensor(
+            [sum(staleness), len(staleness), reader.stale_dropped], dtype=torch.float64, device=device), "sum")
+        worst = distributed.all_reduce(torch.tensor(float(max(staleness, default=0)), device=device), "max")
+        collected.stats = {
+            "staleness_mean": float(sums[0] / max(sums[1], 1)), "staleness_max": float(worst),
+            "stale_dropped": float(sums[2]), "queue_depth": float(reader.queue_depth()),
+            "wait_time": reader.take_wait_time(),
+        }
+        return collected
+
+    def after_update(self, step: int) -> None:
+        self.reader.version = step
+
+    def state_dict(self) -> dict:
+        state = self.reader.state_dict()
+        self._acknowledge_next = state["resolved"]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reader.load_state_dict(state)
+
+    def checkpoint_durable(self) -> None:
+        self.reader.acknowledge(self._acknowledge_next)
+        self._acknowledge_next = []
+
+
+class StreamRollouts(DataKind):
+    """Rollouts read from a Redis stream (``data.url``, ``data.stream``) that samplers fill."""
+
+    groups = ("rollout", "task", "publish", "sample")
+
+    @staticmethod
+    def check_config(cfg: DictConfig, problems: list[str]) -> None:
+        data = cfg.get("data")
+        if isinstance(data, DictConfig) and data.get("url") is None:
+            problems.append("data.url: required by data=stream (redis://host:port/db); `rlcli loop` starts a "
+                            "local server and sets it")
+
+    def __init__(self, cfg, run_dir) -> None:
+        super().__init__(cfg, run_dir)
+        self.task = build_target(cfg.task, "task") if cfg.task is not None else None
+
+    @property
+    def default_vocab_size(self) -> int:
+        return TOY_VOCAB_SIZE if self.task is None else self.task.tokenizer.vocab_size
+
+    def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
+        cfg, data = self.cfg, self.cfg.data
+        connect(data.url)  # fail before training starts when nothing answers
+        options = ReaderOptions(
+            stream=data.stream, group=data.group, max_tokens=data.max_tokens, vocab_size=policy.config.vocab_size,
+            max_lag=data.max_lag, temperature=cfg.loss.temperature,
+            allow_temperature_mismatch=data.allow_temperature_mismatch,
+            need_ref_logprobs=cfg.kl.coef > 0 and cfg.kl.reference == "rollouts",
+            wait_warning=data.wait_warning, idle_timeout=data.idle_timeout,
+        )
+
+        def make_source(rank: int, world_size: int) -> StreamSource:
+            reader = StreamReader(connect(data.url), options, f"rank{rank}", self.run_dir / "rejected.jsonl")
+            return StreamSource(reader, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
+                                docs_per_step=cfg.trainer.docs_per_step,
+                                exact=cfg.trainer.docs_per_step_mode == "exact")
+
+        return make_source
