@@ -12,6 +12,8 @@ USAGE = """usage: rlcli <command> [args]
 commands:
   train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
   data check FILE...        validate rollout files and print a summary
+  stream push FILE... --url URL
+                            push rollout files into a Redis stream (`rlcli train data=stream` reads it)
   report PATH [--out DIR]   plots of a run, or plots and a comparison table of a sweep
 """
 
@@ -57,6 +59,31 @@ def _data(args: list[str]) -> int:
     return data_check(options.files, vocab_size=options.vocab_size, max_tokens=options.max_tokens, console=Console())
 
 
+def _stream(args: list[str]) -> int:
+    from rlcli.rollout.advantages import ESTIMATORS
+    from rlcli.stream.records import DEFAULT_STREAM
+
+    parser = argparse.ArgumentParser(prog="rlcli stream", description="The live loop's Redis stream.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    push = sub.add_parser("push", help="push rollout files into a Redis stream (`rlcli train data=stream` reads it)")
+    push.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
+    push.add_argument("--url", required=True, help="the Redis server: redis://host:port/db")
+    push.add_argument("--stream", default=DEFAULT_STREAM, metavar="KEY", help=f"the stream (default {DEFAULT_STREAM})")
+    push.add_argument("--advantage", choices=ESTIMATORS, default="grpo",
+                      help="fill missing advantages from rewards per group (default grpo); none: they are an error")
+    options = parser.parse_args(args)
+
+    from rlcli.errors import UserError
+    from rlcli.stream.push import push_files
+
+    try:
+        push_files(options.files, options.url, options.stream, options.advantage, out=sys.stdout)
+    except UserError as err:
+        print(f"rlcli stream push: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _report(args: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="rlcli report", description="Plot a run's metrics; plot and tabulate the members of a multirun."
@@ -72,7 +99,7 @@ def _report(args: list[str]) -> int:
     return report_command(options.path, options.out, console=Console())
 
 
-COMMANDS = {"train": _train, "data": _data, "report": _report}
+COMMANDS = {"train": _train, "data": _data, "stream": _stream, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

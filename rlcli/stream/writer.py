@@ -106,12 +106,10 @@ class StreamWriter:
         """Add ``record`` (checked by `check_record`) to the stream; its entry ID."""
         return self.conn.call("xadd", self.stream, check_record(record, "record 0"))
 
-    def push_many(self, records: Iterable[Mapping[str, Any]], *, names: Sequence[str] | None = None) -> list[str]:
-        """Add ``records`` in one round trip, all checked before any is added; their entry IDs in order.
-        Errors name a record as ``names[i]`` (default ``record i``)."""
-        records = list(records)
-        names = names if names is not None else [f"record {i}" for i in range(len(records))]
-        payloads = [check_record(r, name)[FIELD] for r, name in zip(records, names, strict=True)]
+    def push_many(self, records: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Add ``records`` in one round trip, all checked before any is added (errors name the
+        ``record i``); their entry IDs in order."""
+        payloads = [check_record(r, f"record {i}")[FIELD] for i, r in enumerate(records)]
         if not payloads:
             return []
         return self.conn.call("eval", _XADD_MANY, 1, self.stream, FIELD, *payloads)
