@@ -7,8 +7,9 @@ exactly-once across crashes:
 - an entry read from Redis stays *pending* in the group until `acknowledge` is called for it, which
   the trainer does only once a checkpoint holding the update that trained it is durable;
 - `resolve` marks entries whose documents went into a step; a rejected or stale record is resolved
-  at once. `state_dict` lists the resolved, unacknowledged entries; a resumed reader acknowledges
-  those and reads the rest of its pending entries again, in stream order, before any new one.
+  at once (staleness is judged when a document is handed out, at the trainer's version then).
+  `state_dict` lists the resolved, unacknowledged entries; a resumed reader acknowledges those and
+  reads the rest of its pending entries again, in stream order, before any new one.
 
 Rejected records (SPEC §7 rules, or no ``id``/``policy_version``/advantages) and stale ones (sampled
 more than ``max_lag`` versions before the trainer's) are written to ``rejected.jsonl`` and to the
@@ -32,7 +33,9 @@ from rlcli.data.errors import RecordError
 from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.readers import Rejection, write_rejections
 from rlcli.data.schema import Rollout, validate_record
+from rlcli.data.writers import to_record
 from rlcli.stream.connection import RedisConnection
+from rlcli.stream.queue import unread
 from rlcli.stream.records import decode, encode, rejected_key
 
 log = logging.getLogger("rlcli")
@@ -132,10 +135,14 @@ class StreamReader:
         self.resolved = [e for e in self.resolved if e not in done]
         self._trim()
 
-    def queue_depth(self) -> int:
-        from rlcli.stream.queue import unread
-
+    def unread(self) -> int:
+        """Entries of the stream that no process of the trainer has read yet."""
         return unread(self.conn, self.options.stream, self.options.group)
+
+    @property
+    def buffered(self) -> int:
+        """Entries this process has read but not yet put into a step."""
+        return len(self.fetched) + len(self.carried)
 
     def take_wait_time(self) -> float:
         """Seconds blocked on an empty stream since the last call."""
@@ -145,8 +152,21 @@ class StreamReader:
     # -- reading
 
     def _next_document(self, wait: bool) -> Rollout | None:
-        if self.carried:
-            return self.carried.popleft()
+        """The next document not too stale to train at the current version (see `_read`)."""
+        while (doc := self.carried.popleft() if self.carried else self._read(wait)) is not None:
+            staleness = self.version - doc.policy_version
+            if staleness <= self.options.max_lag:
+                return doc
+            self.stale_dropped += 1
+            entry = self.entry_of.pop(doc.index)
+            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
+                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
+            record = to_record(doc) | {"id": doc.id, "policy_version": doc.policy_version}
+            self._reject(entry, Rejection(doc.source, "policy_version", reason, record))
+        return None
+
+    def _read(self, wait: bool) -> Rollout | None:
+        """The next valid document from Redis; with ``wait``, blocks until one comes (None after the idle timeout)."""
         started = warned = time.monotonic()
         waited = False
         try:
@@ -192,7 +212,7 @@ class StreamReader:
         return bool(entries)
 
     def _accept(self, entry: str, fields: dict | None) -> Rollout | None:
-        """The entry's document, or None when it is rejected, stale or deleted (then it is resolved)."""
+        """The entry's document, or None when it is rejected or deleted (then it is resolved)."""
         self.seen.add(entry)
         if not fields:  # trimmed or deleted while pending: nothing to train
             self.resolved.append(entry)
@@ -205,13 +225,6 @@ class StreamReader:
         except (ValueError, RecordError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, RecordError) else (None, str(err))
             self._reject(entry, Rejection(source, field, reason, raw if isinstance(raw, dict) else None))
-            return None
-        staleness = self.version - doc.policy_version
-        if staleness > self.options.max_lag:
-            self.stale_dropped += 1
-            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
-                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
-            self._reject(entry, Rejection(source, "policy_version", reason, raw))
             return None
         self.entry_of[doc.index] = entry
         return doc

@@ -39,13 +39,14 @@ class StreamSource(StepSource):
         documents = [doc for batch in collected.micro_batches for doc in batch.documents]
         reader.resolve(documents)
         staleness = [reader.version - doc.policy_version for doc in documents]
-        # [3] summed and [1] maximised over ranks: every rank logs the same values
+        # [4] summed and [1] maximised over ranks: every rank logs the same values
         sums = distributed.all_reduce(torch.tensor(
-            [sum(staleness), len(staleness), reader.stale_dropped], dtype=torch.float64, device=device), "sum")
+            [sum(staleness), len(staleness), reader.stale_dropped, reader.buffered], dtype=torch.float64,
+            device=device), "sum")
         worst = distributed.all_reduce(torch.tensor(float(max(staleness, default=0)), device=device), "max")
         collected.stats = {
             "staleness_mean": float(sums[0] / max(sums[1], 1)), "staleness_max": float(worst),
-            "stale_dropped": float(sums[2]), "queue_depth": float(reader.queue_depth()),
+            "stale_dropped": float(sums[2]), "queue_depth": float(reader.unread() + sums[3]),
             "wait_time": reader.take_wait_time(),
         }
         return collected
