@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +65,10 @@ def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, pr
 
     expected, actual = rows(tmp_path / "straight"), rows(tmp_path / "killed")
     assert [r["step"] for r in actual] == [str(s) for s in range(1, STEPS + 1)]
+    # step 3's line was written before the kill: the resumed run drops it and writes it again, once
+    audit = (tmp_path / "killed" / "documents.jsonl").read_text()
+    assert audit == (tmp_path / "straight" / "documents.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in audit.splitlines()] == list(range(1, STEPS + 1))
     for want, got in zip(expected, actual):
         for name in ("loss", "num_documents", "documents_seen", "num_tokens", "grad_norm", "ratio_new_old"):
             assert float(got[name]) == pytest.approx(float(want[name]), rel=1e-6, abs=1e-9), (want["step"], name)
