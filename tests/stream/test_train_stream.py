@@ -100,6 +100,7 @@ def test_staleness_is_the_trainer_version_minus_the_sampler_version(redis_url, t
     rows = metrics(tmp_path)
     assert [float(r["staleness_mean"]) for r in rows] == [0.0, 1.0, 2.0, 1.0]
     assert [float(r["staleness_max"]) for r in rows] == [0.0, 1.0, 2.0, 1.0]
+    assert [float(r["reward"]) for r in rows] == [record(i)["reward"] for i in range(4)]
 
 
 def test_invalid_entries_are_rejected_with_their_reason_and_nothing_stays_pending(redis_url, tmp_path):

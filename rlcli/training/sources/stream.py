@@ -39,16 +39,19 @@ class StreamSource(StepSource):
         documents = [doc for batch in collected.micro_batches for doc in batch.documents]
         reader.resolve(documents)
         staleness = [reader.version - doc.policy_version for doc in documents]
-        # [4] summed and [1] maximised over ranks: every rank logs the same values
+        rewards = [doc.reward for doc in documents if doc.reward is not None]
+        # [6] summed and [1] maximised over ranks: every rank logs the same values
         sums = distributed.all_reduce(torch.tensor(
-            [sum(staleness), len(staleness), reader.stale_dropped, reader.buffered], dtype=torch.float64,
-            device=device), "sum")
+            [sum(staleness), len(staleness), reader.stale_dropped, reader.buffered, sum(rewards), len(rewards)],
+            dtype=torch.float64, device=device), "sum")
         worst = distributed.all_reduce(torch.tensor(float(max(staleness, default=0)), device=device), "max")
         collected.stats = {
             "staleness_mean": float(sums[0] / max(sums[1], 1)), "staleness_max": float(worst),
             "stale_dropped": float(sums[2]), "queue_depth": float(reader.unread() + sums[3]),
             "wait_time": reader.take_wait_time(),
         }
+        if sums[5] > 0:
+            collected.stats["reward"] = float(sums[4] / sums[5])  # of the records that carry one
         return collected
 
     def after_update(self, step: int) -> None:
