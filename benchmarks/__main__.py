@@ -9,7 +9,9 @@ its own options: ``python -m benchmarks.NAME --help``.
   padded loop;
 * ``docs_per_step``: the document-count all-reduce overhead (CPU, gloo);
 * ``loss_terms``: a step with ``loss.old_logprobs=recompute`` and one with a KL penalty to a reference
-  model, against a plain step.
+  model, against a plain step;
+* ``stream_queue``: the Redis stream's overhead per record (push, consumer-group read, validation,
+  acknowledgement) against reading the same records from a file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import docs_per_step, lm_head, loss_terms, throughput
+from benchmarks import docs_per_step, lm_head, loss_terms, stream_queue, throughput
 
 # the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
 DEFAULT_CHUNK_TOKENS = "auto"
@@ -46,8 +48,12 @@ def _loss_terms(device: str, json_path: Path | None):
     return loss_terms.main(argv + (["--json", str(json_path)] if json_path else []))
 
 
+def _stream_queue(device: str, json_path: Path | None):
+    return stream_queue.main(["--json", str(json_path)] if json_path else [])
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
-              "loss_terms": _loss_terms}
+              "loss_terms": _loss_terms, "stream_queue": _stream_queue}
 
 
 def main(argv: list[str] | None = None) -> dict:

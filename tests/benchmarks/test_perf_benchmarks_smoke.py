@@ -10,7 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import lm_head, throughput  # noqa: E402
+from benchmarks import lm_head, stream_queue, throughput  # noqa: E402
 
 
 def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys, monkeypatch):
@@ -66,3 +66,11 @@ def test_peak_memory_sees_the_naive_logits_and_not_the_fused_chunks():
     assert naive["peak_extra_mib"] >= 2 * logits_mib
     assert fused["peak_extra_mib"] <= 0.25 * logits_mib
     assert abs(naive["loss"] - fused["loss"]) <= 1e-5 * (1 + abs(naive["loss"]))
+
+
+def test_stream_queue_reads_every_pushed_record_back(tmp_path):
+    out = tmp_path / "queue.json"
+    r = stream_queue.main(["--records", "40", "--prompt", "4", "--completion", "8", "--rounds", "1",
+                           "--json", str(out)])
+    assert r["records"] == 40 and r["push_us_per_record"] > 0 and r["stream_read_us_per_record"] > 0
+    assert json.loads(out.read_text())["file_read_us_per_record"] > 0
