@@ -11,6 +11,8 @@ USAGE = """usage: rlcli <command> [args]
 
 commands:
   train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
+  sample [HYDRA OVERRIDES]  a sampler of the live loop: pushes rollouts into the stream at data.url
+  loop [HYDRA OVERRIDES]    the live loop on this machine: Redis, sample.workers samplers and the trainer
   data check FILE...        validate rollout files and print a summary
   stream push FILE... --url URL
                             push rollout files into a Redis stream (`rlcli train data=stream` reads it)
@@ -41,6 +43,33 @@ def _train(args: list[str]) -> int:
     finally:
         os.environ.pop(RELAUNCH_COMMAND, None)
     return 0
+
+
+def _stream_app(name: str, args: list[str]) -> int:
+    """Run the Hydra app of `rlcli.<name>` (`rlcli train`'s config, ``data=stream`` unless ``args``
+    choose a data option); a composition error exits 2 like every other config error."""
+    import importlib
+
+    from rlcli.sample import with_stream_data
+
+    app = importlib.import_module(f"rlcli.{name}")
+    sys.argv = [sys.argv[0], *with_stream_data(args)]
+    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
+    try:
+        app.hydra_main()
+    except SystemExit as exit:
+        if exit.code == 1 and not app.task_started:
+            return 2
+        return exit.code if isinstance(exit.code, int) else 1
+    return 0
+
+
+def _sample(args: list[str]) -> int:
+    return _stream_app("sample", args)
+
+
+def _loop(args: list[str]) -> int:
+    return _stream_app("loop", args)
 
 
 def _data(args: list[str]) -> int:
@@ -99,7 +128,7 @@ def _report(args: list[str]) -> int:
     return report_command(options.path, options.out, console=Console())
 
 
-COMMANDS = {"train": _train, "data": _data, "stream": _stream, "report": _report}
+COMMANDS = {"train": _train, "sample": _sample, "loop": _loop, "data": _data, "stream": _stream, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,106 @@
+"""`rlcli sample`: one sampler of the live loop, a Hydra app over the same config as `rlcli train`.
+
+It reads ``task``, ``rollout.*``, ``advantage.*``, ``seed``, ``data.*`` (``data.url`` required) and
+``sample.*``, and runs a `rlcli.stream.worker.SamplerWorker` until the trainer announces its final
+weights (exit 0) or a SIGTERM (exit 0) / SIGINT (exit 130) ends it after the current round. The
+sampler's index among ``sample.workers`` comes from the environment variable ``RLCLI_SAMPLE_WORKER``
+(default 0). Torch uses one thread unless ``OMP_NUM_THREADS`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from rlcli.errors import UserError
+
+log = logging.getLogger("rlcli")
+task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
+WORKER_ENV = "RLCLI_SAMPLE_WORKER"
+
+
+def with_stream_data(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``data=stream`` added unless they choose a ``data`` option themselves."""
+    chosen = any(o.split("=", 1)[0].lstrip("+~") == "data" for o in overrides)
+    return list(overrides) if chosen else [*overrides, "data=stream"]
+
+
+def worker_index(workers: int) -> int:
+    """This sampler's index, from `WORKER_ENV`; a `UserError` unless 0 <= index < ``workers``."""
+    raw = os.environ.get(WORKER_ENV, "0")
+    try:
+        index = int(raw)
+    except ValueError:
+        index = -1
+    if not 0 <= index < workers:
+        raise UserError(f"{WORKER_ENV}={raw!r}: must be a sampler index from 0 to sample.workers - 1 = {workers - 1}")
+    return index
+
+
+class StopSignals:
+    """Remembers the first SIGTERM or SIGINT; a second one gets the default behaviour (stops at once)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+def sample(cfg: DictConfig) -> int:
+    """Run one sampler as ``cfg`` says; returns the exit code."""
+    import torch
+
+    from rlcli.conf import build_target
+    from rlcli.conf.validate import validate_config
+    from rlcli.stream.connection import connect
+    from rlcli.stream.worker import SamplerWorker
+
+    typed = validate_config(cfg)
+    if typed.data.kind != "stream":
+        raise UserError(f"data: rlcli sample pushes into a stream (data=stream), not data={typed.data.kind}")
+    if typed.data.url is None:
+        raise UserError("data.url: rlcli sample needs the trainer's Redis server (data.url=redis://host:port/db)")
+    if typed.task is None:
+        raise UserError("task: rlcli sample needs a task to sample (task=reverse, or a _target_)")
+    index = worker_index(typed.sample.workers)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # several samplers and a trainer share the machine's cores
+    task = build_target(typed.task, "task")
+    conn = connect(typed.data.url)
+    signals = StopSignals()
+    worker = SamplerWorker(
+        conn, task, rollout=typed.rollout, advantage=typed.advantage, data=typed.data, sample=typed.sample,
+        seed=typed.seed, worker=index, stop=lambda: signals.received is not None,
+        trust_remote_code=getattr(typed.model, "trust_remote_code", False),
+    )
+    try:
+        outcome = worker.run()
+    finally:
+        worker.close()
+        conn.close()
+    if outcome == "final":
+        log.info("sampler %d: trainer finished", index)
+        return 0
+    log.info("sampler %d: stopped by %s", index, signal.Signals(signals.received).name)
+    return 130 if signals.received == signal.SIGINT else 0
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    global task_started
+    task_started = True
+    try:
+        code = sample(cfg)
+    except UserError as err:
+        print(f"rlcli sample: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)

@@ -1,0 +1,169 @@
+"""A sampler of the live loop: sample groups with the trainer's newest published weights, push them.
+
+`SamplerWorker.run` loops over rounds. Before each round it re-reads the trainer's announcement
+(`rlcli.stream.queue.newest_weights`), loads the announced version when it is not the one it
+holds, and waits while the trainer is too far behind (back-pressure). A round samples
+``rollout.prompts_per_step`` prompts x ``rollout.group_size`` completions, scores them, computes
+group advantages and pushes the records in one batch, each with a unique ``id`` and the
+``policy_version`` it was sampled with.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
+from rlcli.data.writers import to_record
+from rlcli.errors import UserError
+from rlcli.rollout.onpolicy import OnPolicyRollouts, step_seed
+from rlcli.rollout.sampler import HFSampler
+from rlcli.stream.connection import RedisConnection
+from rlcli.stream.queue import newest_weights, unread
+from rlcli.stream.records import weights_key
+from rlcli.stream.writer import StreamWriter
+
+log = logging.getLogger("rlcli")
+
+POLL = 0.2  # seconds between looks at the announcement and the queue while waiting
+
+
+class SamplerWorker:
+    """Sampler ``worker`` (0 <= worker < ``sample.workers``) of the stream ``data.stream`` at ``conn``.
+
+    ``task`` is built from the ``task`` group; ``stop()`` is checked between rounds and while waiting.
+    Every process draws a random token: its record ids, group ids and sampling seed include it, so a
+    restarted sampler never repeats the records of the one before it.
+    """
+
+    def __init__(
+        self,
+        conn: RedisConnection,
+        task: Any,
+        *,
+        rollout: RolloutConfig,
+        advantage: AdvantageConfig,
+        data: StreamDataConfig,
+        sample: SampleConfig,
+        seed: int,
+        worker: int,
+        stop: Callable[[], bool] = lambda: False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.conn = conn
+        self.task = task
+        self.rollout = rollout
+        self.advantage = advantage
+        self.data = data
+        self.sample = sample
+        self.worker = worker
+        self.stop = stop
+        self.trust_remote_code = trust_remote_code
+        self.token = secrets.token_hex(4)
+        self.seed = step_seed(seed, int(self.token, 16), worker)  # `seed` mixed with the process's token
+        self.writer = StreamWriter(conn.url, data.stream, key="data.url")
+        self.version: int | None = None  # of the weights loaded
+        self.rollouts: OnPolicyRollouts | None = None
+        self.rounds = 0  # pushed by this process: the next round's number
+
+    def run(self, max_rounds: int | None = None) -> str:
+        """Push rounds until the trainer announces its final weights (returns ``"final"``), ``stop()``
+        holds (``"stopped"``) or ``max_rounds`` more rounds are pushed (``"rounds"``)."""
+        last = None if max_rounds is None else self.rounds + max_rounds
+        while last is None or self.rounds < last:
+            outcome = self._wait_for_room()
+            if outcome is not None:
+                return outcome
+            self._push_round()
+        return "rounds"
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def _wait_for_room(self) -> str | None:
+        """Wait until a round may be pushed (None), the trainer is done (``"final"``) or ``stop()``."""
+        said = False
+        while not self.stop():
+            announcement = newest_weights(self.conn, self.data.stream)
+            if announcement is None:
+                reason = f"waiting for the trainer's first published weights at {weights_key(self.data.stream)}"
+            elif announcement.get("final"):
+                return "final"
+            else:
+                if announcement["version"] != self.version:  # newer, or older from a resumed trainer
+                    self._load(announcement)
+                    if announcement["version"] != self.version:
+                        continue  # pruned while it loaded: a newer version is announced
+                reason = self._back_pressure(announcement)
+                if reason is None:
+                    return None
+            if not said:
+                log.info("sampler %d: %s", self.worker, reason)
+                said = True
+            time.sleep(POLL)
+        return "stopped"
+
+    def _back_pressure(self, announcement: dict) -> str | None:
+        """Why a round pushed now would be too many or too stale for the trainer; None when it is not."""
+        queued = unread(self.conn, self.data.stream, self.data.group)
+        if queued > self.sample.max_queue:
+            return f"waiting: {queued} unread records, more than sample.max_queue={self.sample.max_queue}"
+        trained, seen = announcement["version"], announcement.get("documents_seen", 0)
+        if trained <= 0 or seen <= 0:
+            return None  # no training rate known yet
+        reached = trained + queued / (seen / trained)  # the trainer's version when it reaches a record pushed now
+        if reached - self.version > self.data.max_lag:
+            return (f"waiting: records sampled with v{self.version} would reach the trainer at about v{reached:.1f} "
+                    f"({queued} unread), more than data.max_lag={self.data.max_lag} versions later")
+        return None
+
+    def _load(self, announcement: dict) -> None:
+        """Sample with the announced weights from now on (float32 on CPU, eval mode)."""
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        version, path = announcement["version"], announcement["path"]
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as err:
+            newer = newest_weights(self.conn, self.data.stream)
+            if newer is not None and newer["version"] != version:
+                return  # pruned while it loaded: the next look loads the one announced now
+            raise UserError(f"sampler {self.worker}: cannot load the trainer's weights v{version} "
+                            f"from {path}: {err}") from None
+        model.eval()
+        if self.task.tokenizer.vocab_size > model.config.vocab_size:
+            raise UserError(f"task: its tokenizer has {self.task.tokenizer.vocab_size} ids, the published model "
+                            f"only {model.config.vocab_size}")
+        r = self.rollout
+        sampler = HFSampler(model, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        self.rollouts = OnPolicyRollouts(
+            self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
+            max_new_tokens=r.max_new_tokens, estimator=self.advantage.estimator, eps=self.advantage.eps,
+            seed=self.seed, rank=self.worker, world_size=self.sample.workers,
+        )
+        self.version = version
+        log.info("sampler %d: sampling with the weights v%d from %s", self.worker, version, path)
+
+    def _push_round(self) -> None:
+        round_ = self.rounds
+        rollouts, stats = self.rollouts.generate(round_)
+        prefix = f"{self.worker}-{self.token}-{round_}"
+        records = []
+        for i, rollout in enumerate(rollouts):
+            record = to_record(rollout)
+            record.update(id=f"{prefix}-{i}", group_id=f"{self.token}-{record['group_id']}",
+                          policy_version=self.version)
+            records.append(record)
+        self.writer.push_many(records)
+        log.info("sampler %d: round %d: v%d, reward %.3f, pushed %d records, %d unread", self.worker, round_,
+                 self.version, stats["reward"], len(records),
+                 unread(self.conn, self.data.stream, self.data.group))
+        self.rounds += 1

@@ -1,0 +1,263 @@
+"""The sampler worker against a real Redis: what it pushes, which weights it samples with, when it
+waits and when it stops; and `rlcli sample` as a process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig, TinyModelConfig
+from rlcli.data.schema import validate_record
+from rlcli.model.policy import build_policy
+from rlcli.rollout.tasks import ReverseTask
+from rlcli.sample import with_stream_data
+from rlcli.stream.connection import connect
+from rlcli.stream.queue import announce_weights
+from rlcli.stream.records import decode
+from rlcli.stream.worker import SamplerWorker
+
+STREAM, GROUP = "rlcli:rollouts", "rlcli-trainer"
+PROMPTS, GROUP_SIZE, TEMPERATURE = 2, 4, 0.7
+EPS = 1e-6
+
+
+def save_policy(directory: Path, seed: int) -> Path:
+    """A tiny random policy for the reverse task, saved in Hugging Face format as the trainer publishes it."""
+    torch.manual_seed(seed)
+    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=4, max_position_embeddings=64, dtype="float32", gradient_checkpointing=False,
+                          attn_implementation="sdpa", suggested_lr=1e-3)
+    build_policy(cfg, default_vocab_size=ReverseTask().tokenizer.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def announce(conn, version: int, path: Path | None, documents_seen: int = 0, final: bool = False) -> None:
+    announce_weights(conn, STREAM, {"version": version, "path": str(path), "documents_seen": documents_seen,
+                                    "final": final})
+
+
+def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False):
+    data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
+                            allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
+    rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
+                            temperature=TEMPERATURE, top_p=1.0, top_k=0, save=False)
+    return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
+                         data=data, sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
+                         stop=stop)
+
+
+def stream_records(conn) -> list[dict]:
+    return [decode(fields) for _, fields in conn.call("xrange", STREAM)]
+
+
+def grpo_reference(rewards: list[float]) -> list[float]:
+    """(r - mean) / (std + eps), population std, in float64 (README "Advantages")."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + EPS) for r in rewards]
+
+
+def model_logprobs(path: Path, record: dict) -> torch.Tensor:
+    """The completion's log-probs at the temperature, from one plain forward pass of the saved model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = record["prompt_ids"] + record["completion_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]  # [L, V]
+    logprobs = torch.log_softmax(logits[:-1] / TEMPERATURE, dim=-1)  # [L - 1, V]: predicts ids[1:]
+    predicted = logprobs.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]  # [L - 1]
+    return predicted[len(record["prompt_ids"]) - 1:]  # [completion length]
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_rounds_push_valid_records_with_grpo_advantages_and_sampler_logprobs(redis_url, tmp_path):
+    conn = connect(redis_url)
+    v0 = save_policy(tmp_path / "v0", seed=0)
+    announce(conn, 0, v0)
+    worker = make_worker(redis_url)
+    assert worker.run(max_rounds=2) == "rounds"
+
+    records = stream_records(conn)
+    assert len(records) == 2 * PROMPTS * GROUP_SIZE
+    vocab_size = ReverseTask().tokenizer.vocab_size
+    for i, record in enumerate(records):
+        validate_record(record, source="stream", index=i, vocab_size=vocab_size)
+        assert record["policy_version"] == 0 and record["temperature"] == TEMPERATURE
+        torch.testing.assert_close(torch.tensor(record["old_logprobs"]), model_logprobs(v0, record),
+                                   rtol=0, atol=1e-5)
+    assert len({r["id"] for r in records}) == len(records)
+
+    groups = defaultdict(list)
+    for record in records:
+        groups[record["group_id"]].append(record)
+    assert sorted(len(g) for g in groups.values()) == [GROUP_SIZE] * (2 * PROMPTS)
+    for group in groups.values():
+        reference = grpo_reference([r["reward"] for r in group])
+        for record, advantage in zip(group, reference):
+            assert record["advantages"] == pytest.approx([advantage] * len(record["completion_ids"]), abs=1e-12)
+    worker.close()
+
+
+def test_a_new_announcement_is_loaded_before_the_next_round(redis_url, tmp_path):
+    conn = connect(redis_url)
+    announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
+    worker = make_worker(redis_url)
+    worker.run(max_rounds=1)
+    v1 = save_policy(tmp_path / "v1", seed=1)
+    announce(conn, 1, v1, documents_seen=PROMPTS * GROUP_SIZE)
+    worker.run(max_rounds=1)
+
+    records = stream_records(conn)
+    assert [r["policy_version"] for r in records] == [0] * (PROMPTS * GROUP_SIZE) + [1] * (PROMPTS * GROUP_SIZE)
+    last = records[-1]
+    torch.testing.assert_close(torch.tensor(last["old_logprobs"]), model_logprobs(v1, last), rtol=0, atol=1e-5)
+    assert len({r["id"] for r in records}) == len(records)
+    worker.close()
+
+
+def test_a_restarted_sampler_repeats_no_id_group_or_sample(redis_url, tmp_path):
+    conn = connect(redis_url)
+    announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
+    for _ in range(2):  # the same worker index, started twice, sampling round 0 with the same weights
+        worker = make_worker(redis_url, worker=1)
+        worker.run(max_rounds=1)
+        worker.close()
+    records = stream_records(conn)
+    half = len(records) // 2
+    assert len({r["id"] for r in records}) == len(records)
+    assert not {r["group_id"] for r in records[:half]} & {r["group_id"] for r in records[half:]}
+    assert [r["completion_ids"] for r in records[:half]] != [r["completion_ids"] for r in records[half:]]
+
+
+def fill(conn, count: int) -> None:
+    for i in range(count):
+        conn.call("xadd", STREAM, {"record": json.dumps({"id": f"filler-{i}"})})
+
+
+def read_through_group(conn, count: int) -> None:
+    """Read ``count`` entries as the trainer's consumer group does (they stop being unread)."""
+    if not any(g["name"] == GROUP for g in conn.call("xinfo_groups", STREAM)):
+        conn.call("xgroup_create", STREAM, GROUP, id="0")
+    conn.call("xreadgroup", GROUP, "trainer", {STREAM: ">"}, count=count)
+
+
+@pytest.mark.parametrize("limit", ["max_queue", "max_lag"])
+def test_back_pressure_holds_rounds_until_the_trainer_reads(redis_url, tmp_path, caplog, limit):
+    conn = connect(redis_url)
+    if limit == "max_queue":  # 4 unread > max_queue 3
+        options, filled, read, message = {"max_queue": 3}, 4, 4, "4 unread records, more than sample.max_queue=3"
+        announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
+    else:  # trainer at v2 after 16 documents (8 per version): 12 unread reach it at v3.5, 1.5 > max_lag 1
+        options, filled, read, message = {"max_lag": 1}, 12, 8, "would reach the trainer at about v3.5"
+        announce(conn, 2, save_policy(tmp_path / "v2", seed=0), documents_seen=16)
+    fill(conn, filled)
+    stop = threading.Event()
+    worker = make_worker(redis_url, stop=stop.is_set, **options)
+    outcome = []
+    caplog.set_level(logging.INFO, logger="rlcli")
+    thread = threading.Thread(target=lambda: outcome.append(worker.run()))
+    thread.start()
+    try:
+        wait_until(lambda: message in caplog.text)
+        time.sleep(1.0)
+        assert conn.call("xlen", STREAM) == filled  # nothing pushed while the trainer is behind
+        assert caplog.text.count(message) == 1  # said once per wait
+        read_through_group(conn, read)
+        wait_until(lambda: conn.call("xlen", STREAM) > filled)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert outcome == ["stopped"]
+    worker.close()
+
+
+def test_waits_for_the_first_announcement_and_stops_on_final(redis_url, tmp_path, caplog):
+    conn = connect(redis_url)
+    caplog.set_level(logging.INFO, logger="rlcli")
+    worker = make_worker(redis_url)
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(worker.run()))
+    thread.start()
+    try:
+        wait_until(lambda: "waiting for the trainer's first published weights at rlcli:rollouts:weights"
+                   in caplog.text)
+        v0 = save_policy(tmp_path / "v0", seed=0)
+        announce(conn, 0, v0)
+        wait_until(lambda: conn.call("xlen", STREAM) > 0)
+        announce(conn, 0, v0, final=True)
+    finally:
+        thread.join(timeout=60)
+    assert outcome == ["final"]
+    assert conn.call("xlen", STREAM) % (PROMPTS * GROUP_SIZE) == 0  # whole rounds only
+    worker.close()
+
+
+def test_with_stream_data_adds_data_stream_unless_chosen():
+    assert with_stream_data(["seed=1"]) == ["seed=1", "data=stream"]
+    assert with_stream_data(["data=generate", "seed=1"]) == ["data=generate", "seed=1"]
+    assert with_stream_data(["data.url=redis://h:1/0"]) == ["data.url=redis://h:1/0", "data=stream"]
+
+
+def start_sample(args: list[str], cwd: Path, worker: str = "0") -> subprocess.Popen:
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               RLCLI_SAMPLE_WORKER=worker)
+    return subprocess.Popen([sys.executable, "-m", "rlcli", "sample", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("args, worker, message", [
+    (["sample.workers=0"], "0", "sample.workers: must be >= 1"),
+    ([], "0", "data.url: required by data=stream"),
+    (["data.url=redis://127.0.0.1:6379/0", "sample.workers=2"], "2",
+     "RLCLI_SAMPLE_WORKER='2': must be a sampler index from 0 to sample.workers - 1 = 1"),
+    (["data=generate"], "0", "data: rlcli sample pushes into a stream"),
+    (["nosuchgroup=1"], "0", "nosuchgroup"),
+])
+def test_sample_config_errors_exit_2_with_one_message(tmp_path, args, worker, message):
+    process = start_sample([*args, "hydra.run.dir=run"], tmp_path, worker)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert message in output and "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end, code", [("final", 0), (signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_sample_runs_until_final_or_a_signal(redis_url, tmp_path, end, code):
+    conn = connect(redis_url)
+    v0 = save_policy(tmp_path / "v0", seed=0)
+    announce(conn, 0, v0)
+    process = start_sample([f"data.url={redis_url}", "hydra.run.dir=run", "rollout.prompts_per_step=2",
+                            "rollout.group_size=2", "sample.max_queue=1000000"], tmp_path)
+    try:
+        wait_until(lambda: conn.call("xlen", STREAM) >= 8 or process.poll() is not None, timeout=120)
+        if end == "final":
+            announce(conn, 0, v0, final=True)
+        else:
+            process.send_signal(end)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == code, output
+    assert ("trainer finished" if end == "final" else f"stopped by {end.name}") in output
+    assert "round 0: v0" in output
+    assert (tmp_path / "run" / "sample.log").is_file()
+    assert conn.call("xlen", STREAM) % 4 == 0  # whole rounds only
