@@ -127,8 +127,9 @@ class EmbeddedRedis:
             "--daemonize", "no", "--logfile", str(self.log_path),
         ]
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # its own session: a terminal's Ctrl-C reaches the clients, which stop first, not the server
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
         client = _client(port, 1.0)
         deadline = time.monotonic() + START_TIMEOUT
         try:

@@ -74,10 +74,7 @@ def test_config_error_exits_2_before_starting_anything(tmp_path, args, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("to_group", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "redis-server shares the loop's process group (EmbeddedRedis starts it without start_new_session), so a "
-    "terminal's Ctrl-C shuts it down at once and the trainer's SIGTERM checkpoint waits on it until it is killed")))],
-    ids=["loop", "terminal"])
+@pytest.mark.parametrize("to_group", [False, True], ids=["loop", "terminal"])
 def test_ctrl_c_stops_every_process_and_exits_130(tmp_path, to_group):
     """SIGINT to the loop alone, or to its whole process group as a terminal's Ctrl-C does."""
     process = start_loop(["sample.workers=2", "trainer.max_steps=100000", "hydra.run.dir=run"], tmp_path)
