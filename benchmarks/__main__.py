@@ -11,7 +11,9 @@ its own options: ``python -m benchmarks.NAME --help``.
 * ``loss_terms``: a step with ``loss.old_logprobs=recompute`` and one with a KL penalty to a reference
   model, against a plain step;
 * ``stream_queue``: the Redis stream's overhead per record (push, consumer-group read, validation,
-  acknowledgement) against reading the same records from a file.
+  acknowledgement) against reading the same records from a file;
+* ``live_loop``: steps per minute and time to the default run's reward, ``rlcli loop`` with 1 and 2
+  samplers against synchronous ``data=generate``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import docs_per_step, lm_head, loss_terms, stream_queue, throughput
+from benchmarks import docs_per_step, live_loop, lm_head, loss_terms, stream_queue, throughput
 
 # the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
 DEFAULT_CHUNK_TOKENS = "auto"
@@ -52,8 +54,12 @@ def _stream_queue(device: str, json_path: Path | None):
     return stream_queue.main(["--json", str(json_path)] if json_path else [])
 
 
+def _live_loop(device: str, json_path: Path | None):
+    return live_loop.main(["--json", str(json_path)] if json_path else [])
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
-              "loss_terms": _loss_terms, "stream_queue": _stream_queue}
+              "loss_terms": _loss_terms, "stream_queue": _stream_queue, "live_loop": _live_loop}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -6,11 +6,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import lm_head, stream_queue, throughput  # noqa: E402
+from benchmarks import live_loop, lm_head, stream_queue, throughput  # noqa: E402
 
 
 def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys, monkeypatch):
@@ -74,3 +76,10 @@ def test_stream_queue_reads_every_pushed_record_back(tmp_path):
                            "--json", str(out)])
     assert r["records"] == 40 and r["push_us_per_record"] > 0 and r["stream_read_us_per_record"] > 0
     assert json.loads(out.read_text())["file_read_us_per_record"] > 0
+
+
+@pytest.mark.slow
+def test_live_loop_times_the_synchronous_run_and_the_loop(tmp_path):
+    r = live_loop.main(["--steps", "3", "--samplers", "1", "--json", str(tmp_path / "loop.json")])
+    assert [run["steps"] for run in r["runs"]] == [3, 3]
+    assert all(run["steps_per_min"] > 0 and run["wall_s"] >= run["first_step_s"] > 0 for run in r["runs"])
