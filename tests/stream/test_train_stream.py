@@ -139,7 +139,11 @@ def test_docs_per_step_exact_holds_the_surplus_back_without_losing_it(redis_url,
 
 
 def test_a_waiting_trainer_says_so_and_trains_what_comes_later(redis_url, tmp_path, caplog):
-    def push_late():
+    def push_late():  # 2.5 s after the trainer's first read
+        r = client(redis_url)
+        while not (r.exists("rlcli:rollouts") and r.xinfo_groups("rlcli:rollouts")
+                   and r.xinfo_consumers("rlcli:rollouts", "rlcli-trainer")):
+            time.sleep(0.05)
         time.sleep(2.5)
         with StreamWriter(redis_url) as writer:
             writer.push_many([record(0), record(1)])
