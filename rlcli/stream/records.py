@@ -2,8 +2,9 @@
 
 An entry holds one field, ``record``: the SPEC §7 record as JSON, plus ``id`` (a unique string)
 and ``policy_version`` (the weights version that sampled it), so any Redis client can write one.
-Beside the stream ``S`` live ``S:rejected`` (records the trainer rejected, with the reason) and
-``S:weights`` (the trainer's newest published weights, as JSON).
+Beside the stream ``S`` live ``S:rejected`` (records the trainer rejected, with the reason),
+``S:weights`` (the trainer's newest published weights, as JSON) and, for an hour each,
+``S:pushed:<token>`` (the entry IDs of a `StreamWriter` batch, so that a retried batch adds nothing twice).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,11 +21,16 @@ from rlcli.rollout.advantages import group_advantages
 from rlcli.stream.connection import connect
 from rlcli.stream.records import DEFAULT_STREAM, FIELD, encode
 
-# Adds one entry per argument after the first (the field's name) and returns their IDs: a batch is
-# one round trip, and all of it or none of it is in the stream.
+# Adds one entry to stream KEYS[1] per argument after the first (the field's name) and returns their
+# IDs: a batch is one round trip, and all of it or none of it is in the stream. KEYS[2] names this
+# batch: a retried batch (its reply lost with the connection) returns the IDs it was first given
+# instead of adding the records again.
 _XADD_MANY = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return redis.call('LRANGE', KEYS[2], 0, -1) end
 local ids = {}
 for i = 2, #ARGV do ids[i - 1] = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i]) end
+for i = 1, #ids do redis.call('RPUSH', KEYS[2], ids[i]) end
+redis.call('EXPIRE', KEYS[2], 3600)
 return ids
 """
 
@@ -94,8 +100,8 @@ class StreamWriter:
     """Pushes records into the Redis stream ``stream`` at ``url``.
 
     ``connect``'s `UserError` (naming ``key``) when nothing answers at ``url``; afterwards a push
-    rides out a server restart. A push interrupted after the server took it is retried, so an entry
-    may, rarely, be in the stream twice (its ``id`` tells the copies apart from other records).
+    rides out a server restart. Every push is named by a random token that Redis keeps for an hour,
+    so a push retried after its reply was lost adds nothing twice.
     """
 
     def __init__(self, url: str, stream: str = DEFAULT_STREAM, *, key: str = "url") -> None:
@@ -104,7 +110,7 @@ class StreamWriter:
 
     def push(self, record: Mapping[str, Any]) -> str:
         """Add ``record`` (checked by `check_record`) to the stream; its entry ID."""
-        return self.conn.call("xadd", self.stream, check_record(record, "record 0"))
+        return self.push_many([record])[0]
 
     def push_many(self, records: Iterable[Mapping[str, Any]]) -> list[str]:
         """Add ``records`` in one round trip, all checked before any is added (errors name the
@@ -112,7 +118,8 @@ class StreamWriter:
         payloads = [check_record(r, f"record {i}")[FIELD] for i, r in enumerate(records)]
         if not payloads:
             return []
-        return self.conn.call("eval", _XADD_MANY, 1, self.stream, FIELD, *payloads)
+        batch = f"{self.stream}:pushed:{secrets.token_hex(8)}"
+        return self.conn.call("eval", _XADD_MANY, 2, self.stream, batch, FIELD, *payloads)
 
     def length(self) -> int:
         """The number of entries in the stream."""

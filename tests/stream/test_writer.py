@@ -107,3 +107,22 @@ def test_group_advantages_need_a_reward_and_a_group(bad, message):
         group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad])
     with pytest.raises(ValueError, match=message.replace("record 1", "b.jsonl:2")):
         group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad], names=["b.jsonl:1", "b.jsonl:2"])
+
+
+def test_a_push_retried_after_its_reply_was_lost_adds_nothing_twice(redis_url, monkeypatch):
+    """The first attempt reaches the server but its reply is lost; the retry must not add the records again."""
+    with StreamWriter(redis_url, STREAM) as writer:
+        call = writer.conn.call
+        attempts = []
+
+        def lose_first_reply(command, *args, **kwargs):
+            result = call(command, *args, **kwargs)
+            if command == "eval" and not attempts:
+                attempts.append(result)
+                return call(command, *args, **kwargs)  # what RedisConnection.call does after a lost reply
+            return result
+
+        monkeypatch.setattr(writer.conn, "call", lose_first_reply)
+        ids = writer.push_many([record(0), record(1)])
+    assert ids == attempts[0]
+    assert [r["id"] for _, r in read_back(redis_url)] == ["r0", "r1"]
