@@ -23,37 +23,18 @@ commands:
 RELAUNCH_COMMAND = "RLCLI_RELAUNCH_COMMAND"
 
 
-def _train(args: list[str]) -> int:
-    from rlcli import train
-
-    # Lightning starts the extra processes of a multi-process run by re-running this program with
-    # the Hydra overrides alone; the variable tells those processes which command they run.
-    sys.argv = [sys.argv[0], *args]
-    os.environ[RELAUNCH_COMMAND] = "train"
-    # the local config folder on Hydra's search path (rlcli_local/) is optional
-    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
-    try:
-        train.hydra_main()
-    except SystemExit as exit:
-        # Hydra exits with 1 on composition errors (unknown group option or key) before our task
-        # runs: those are config errors, exit 2 like every other one.
-        if exit.code == 1 and not train.task_started:
-            return 2
-        return exit.code if isinstance(exit.code, int) else 1
-    finally:
-        os.environ.pop(RELAUNCH_COMMAND, None)
-    return 0
-
-
-def _stream_app(name: str, args: list[str]) -> int:
-    """Run the Hydra app of `rlcli.<name>` (`rlcli train`'s config, ``data=stream`` unless ``args``
-    choose a data option); a composition error exits 2 like every other config error."""
+def _hydra_app(name: str, args: list[str], *, relaunched: bool = False) -> int:
+    """Run the Hydra app of `rlcli.<name>` with ``args`` as its overrides; a composition error (Hydra's
+    exit 1 before the app's task runs: an unknown group option or key) exits 2 like every other
+    config error. ``relaunched``: Lightning starts the extra processes of a multi-process run by
+    re-running this program with the overrides alone, and `RELAUNCH_COMMAND` tells them the command."""
     import importlib
 
-    from rlcli.sample import with_stream_data
-
     app = importlib.import_module(f"rlcli.{name}")
-    sys.argv = [sys.argv[0], *with_stream_data(args)]
+    sys.argv = [sys.argv[0], *args]
+    if relaunched:
+        os.environ[RELAUNCH_COMMAND] = name
+    # the local config folder on Hydra's search path (rlcli_local/) is optional
     warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
     try:
         app.hydra_main()
@@ -61,15 +42,25 @@ def _stream_app(name: str, args: list[str]) -> int:
         if exit.code == 1 and not app.task_started:
             return 2
         return exit.code if isinstance(exit.code, int) else 1
+    finally:
+        os.environ.pop(RELAUNCH_COMMAND, None)
     return 0
 
 
+def _train(args: list[str]) -> int:
+    return _hydra_app("train", args, relaunched=True)
+
+
 def _sample(args: list[str]) -> int:
-    return _stream_app("sample", args)
+    from rlcli.sample import with_stream_data
+
+    return _hydra_app("sample", with_stream_data(args))
 
 
 def _loop(args: list[str]) -> int:
-    return _stream_app("loop", args)
+    from rlcli.sample import with_stream_data
+
+    return _hydra_app("loop", with_stream_data(args))
 
 
 def _data(args: list[str]) -> int:
