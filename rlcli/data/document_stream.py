@@ -91,13 +91,6 @@ class DocumentStream:
             )
         return make_micro_batch(taken) if taken else None
 
-    def next_micro_batches(self, count: int) -> list[MicroBatch]:
-        """Up to ``count`` micro-batches (fewer only when the data is used up)."""
-        batches = []
-        while len(batches) < count and (batch := self.next_micro_batch()) is not None:
-            batches.append(batch)
-        return batches
-
     def give_back(self, documents: Sequence[Rollout]) -> None:
         """Put ``documents`` back at the front, in order: they are served next."""
         self.carried.extendleft(reversed(documents))

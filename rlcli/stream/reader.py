@@ -1,8 +1,8 @@
 """One trainer process's reader of the rollout stream: a consumer of the trainer's consumer group.
 
-It hands out validated documents packed into micro-batches like `DocumentStream` (so `collect_step`
-builds static and ``docs_per_step`` steps from it unchanged) and keeps the books that make training
-exactly-once across crashes:
+It hands out validated documents packed into micro-batches like `DocumentStream` (a
+`MicroBatchSource`, so `collect_step` builds static and ``docs_per_step`` steps from it unchanged)
+and keeps the books that make training exactly-once across crashes:
 
 - an entry read from Redis stays *pending* in the group until `acknowledge` is called for it, which
   the trainer does only once a checkpoint holding the update that trained it is durable;
@@ -99,12 +99,6 @@ class StreamReader:
             taken.append(doc)
             used += doc.num_tokens
         return make_micro_batch(taken) if taken else None
-
-    def next_micro_batches(self, count: int) -> list[MicroBatch]:
-        batches = []
-        while len(batches) < count and (batch := self.next_micro_batch()) is not None:
-            batches.append(batch)
-        return batches
 
     def give_back(self, documents: Sequence[Rollout]) -> None:
         self.carried.extendleft(reversed(documents))

@@ -6,16 +6,28 @@ documents), and `plan_step` sums the step totals over all of them and all ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from rlcli.data.document_stream import DocumentStream
 from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.schema import Rollout
 from rlcli.modules.aggregation import StepTotals
 from rlcli.modules.metrics import MetricPartials
 from rlcli.modules.segments import Segments
 from rlcli.training import distributed
+
+
+class MicroBatchSource(Protocol):
+    """What `collect_step` reads: a `DocumentStream`, or a stream reader (`rlcli.stream.reader`)."""
+
+    def next_micro_batch(self) -> MicroBatch | None:
+        """The next micro-batch, or None when the data is used up."""
+
+    def give_back(self, documents: Sequence[Rollout]) -> None:
+        """Put ``documents`` back at the front, in order: they are served next."""
 
 
 @dataclass
@@ -37,7 +49,7 @@ def _give_back_share(counts: list[int], surplus: int, rank: int) -> int:
 
 
 def collect_step(
-    stream: DocumentStream,
+    stream: MicroBatchSource,
     *,
     accumulate_microbatches: int,
     docs_per_step: int,
@@ -52,7 +64,10 @@ def collect_step(
     surplus of the last round goes back to the front of the streams.
     """
     if docs_per_step == 0:
-        return CollectedStep(stream.next_micro_batches(accumulate_microbatches))
+        batches = []
+        while len(batches) < accumulate_microbatches and (batch := stream.next_micro_batch()) is not None:
+            batches.append(batch)
+        return CollectedStep(batches)
     batches: list[MicroBatch] = []
     total = 0
     counts: list[int] = []
