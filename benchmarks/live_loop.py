@@ -2,9 +2,11 @@
 the time to reach the reward of the default run.
 
 Runs ``rlcli train`` (``data=generate``: the trainer samples each step itself) and ``rlcli loop``
-with 1 and 2 samplers, each for the same number of steps, timestamping every ``metrics.csv`` row as
-it appears. The target reward is the synchronous run's mean over its last 10 steps; a run reaches
-it at the first step where the mean reward of the last 5 steps is at least that.
+with 1 and 2 samplers, each for the same number of steps of the same size (the loop's trainer takes
+``trainer.docs_per_step`` = one sampler round, 8 prompts x 8 completions, per step), timestamping
+every ``metrics.csv`` row as it appears. The target reward is the synchronous run's mean over its
+last 10 steps; a run reaches it at the first step where the mean reward of the last 5 steps is at
+least that.
 
     python -m benchmarks.live_loop [--steps 60] [--samplers 1 2] [--json PATH]
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 from benchmarks.output import report
 
 TARGET_WINDOW, SMOOTHING = 10, 5
+DOCS_PER_STEP = 64  # what a synchronous step of the default run trains: rollout.prompts_per_step x group_size
 
 
 def timed_rows(argv: list[str], run_dir: Path) -> tuple[list[tuple[float, dict]], float]:
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
         target = sum(float(r["reward"]) for _, r in rows[-TARGET_WINDOW:]) / min(TARGET_WINDOW, len(rows))
         results = [summary("train data=generate (synchronous)", rows, total, target)]
         for n in args.samplers:
-            rows, total = timed_rows(["loop", f"sample.workers={n}", *common], Path(tmp) / f"loop{n}")
+            rows, total = timed_rows(["loop", f"sample.workers={n}", f"trainer.docs_per_step={DOCS_PER_STEP}",
+                                      *common], Path(tmp) / f"loop{n}")
             results.append(summary(f"loop sample.workers={n}", rows, total, target))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"live loop vs synchronous, {args.steps} steps, target reward {target:.3f} "
