@@ -76,7 +76,8 @@ class OnPolicyRollouts:
     def generate(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
         """This rank's rollouts for ``step`` (grouped by prompt, in order) and their statistics:
         mean ``reward``, ``accuracy`` (fraction exactly correct), mean ``completion_length`` and
-        ``stopped_fraction`` (completions that ended with eos)."""
+        ``stopped_fraction`` (completions that ended with eos), and the task's
+        ``take_reward_stats()`` where it has one (``reward/<name>``, ``reward_errors``)."""
         step_rng = random.Random(step_seed(self.seed, step, self.rank))
         prompts = self.task.sample_prompts(step_rng, self.prompts_per_step)
         generator = torch.Generator().manual_seed(step_rng.getrandbits(63))
@@ -116,4 +117,6 @@ class OnPolicyRollouts:
             "completion_length": sum(len(c.ids) for c in completions) / n,
             "stopped_fraction": sum(c.stopped for c in completions) / n,
         }
+        if hasattr(self.task, "take_reward_stats"):  # per-term means of a task's RewardSet
+            stats.update(self.task.take_reward_stats())
         return rollouts, stats
