@@ -5,18 +5,32 @@ The recorded log-probability of a sampled token is the log-softmax of ``logits /
 over the *full* vocabulary, also when ``top_k``/``top_p`` truncate the distribution the token is
 drawn from. That is the ``lp_t`` the trainer recomputes (SPEC §2), so the importance ratio is 1
 at the first update on fresh rollouts; truncation only changes which tokens get sampled.
+
+Stop strings end a completion too: after each token, the text a task's ``decode`` gives for the
+last few tokens of each completion is searched (see `StopStrings`). The token that completes a stop
+string is kept, so the string stays in the completion, which is marked ``stopped``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
-__all__ = ["Completion", "HFSampler", "Sampler", "check_sampling_options", "sample_completions"]
+from rlcli.errors import UserError
+
+__all__ = [
+    "Completion",
+    "HFSampler",
+    "Sampler",
+    "StopStrings",
+    "build_sampler",
+    "check_sampling_options",
+    "sample_completions",
+]
 
 
 @dataclass
@@ -31,12 +45,14 @@ class Completion:
 class Sampler(Protocol):
     """Draws completions from the current policy; what `rlcli.rollout.onpolicy.OnPolicyRollouts` calls.
 
-    Sampling options (temperature, truncation) are the sampler's own, set when it is built.
-    ``sample`` returns one `Completion` per prompt, in order. A completion ends after its first
-    token of ``stop_ids`` (kept, ``stopped=True``) or at ``max_new_tokens`` (>= 1) tokens. Its
-    ``logprobs`` are each token's log-probability under the full distribution at ``temperature``
-    (the trainer's ``lp_t``, SPEC §2), whatever truncation chose the token. Random draws come
-    from ``generator`` only, so a seeded generator gives the same completions again.
+    Sampling options (temperature, truncation, stop strings and extra stop ids) are the sampler's
+    own, set when it is built. ``sample`` returns one `Completion` per prompt, in order. A
+    completion ends after its first token of ``stop_ids`` or of the sampler's own stop ids, or
+    after the token that completes one of its stop strings (kept, ``stopped=True``), or at
+    ``max_new_tokens`` (>= 1) tokens. Its ``logprobs`` are each token's log-probability under the
+    full distribution at ``temperature`` (the trainer's ``lp_t``, SPEC §2), whatever truncation
+    chose the token. Random draws come from ``generator`` only, so a seeded generator gives the
+    same completions again.
     """
 
     @property
@@ -95,6 +111,34 @@ def _truncate(log_p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     return log_p
 
 
+class StopStrings:
+    """Finds the completions that have just produced a stop string, decoding only their last tokens.
+
+    A stop string that ends in a completion's newest token lies within its last ``b`` tokens, ``b``
+    the string's length in UTF-8 bytes (each of those tokens holds at least one of its bytes); one
+    token more keeps a leading space that some decoders drop from the first token of a text.
+    """
+
+    def __init__(self, strings: Sequence[str], decode: Callable[[Sequence[int]], str], batch: int) -> None:
+        if not strings or any(not isinstance(s, str) or not s for s in strings):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(strings)!r}")
+        self.strings = tuple(strings)
+        self.decode = decode
+        self.window = max(len(s.encode()) for s in self.strings) + 1
+        self.ids: list[list[int]] = [[] for _ in range(batch)]  # the tokens of each completion so far
+
+    def ended(self, tokens: Sequence[int], active: Sequence[bool]) -> list[int]:
+        """Append each active row's new token; the rows whose completion now holds a stop string."""
+        rows = []
+        for row, (token, on) in enumerate(zip(tokens, active)):
+            if on:
+                self.ids[row].append(token)
+                tail = self.decode(self.ids[row][-self.window :])
+                if any(s in tail for s in self.strings):
+                    rows.append(row)
+        return rows
+
+
 @torch.no_grad()
 def sample_completions(
     model: torch.nn.Module,
@@ -107,10 +151,13 @@ def sample_completions(
     stop_ids: Sequence[int],
     pad_id: int,
     generator: torch.Generator,
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> list[Completion]:
     """Sample one completion per prompt, all prompts in one left-padded batch with a KV cache.
 
-    A sequence stops after producing a token of ``stop_ids`` or ``max_new_tokens`` tokens; a
+    A sequence stops after producing a token of ``stop_ids``, after the token with which the text
+    ``decode`` gives for it contains one of ``stop_strings``, or after ``max_new_tokens`` tokens; a
     finished sequence is fed ``pad_id`` with attention mask 0, which no other sequence sees.
     ``top_k = 0`` and ``top_p = 1`` switch truncation off. Random draws use ``generator`` only
     (on any device), so a seeded generator reproduces the samples. Logits are taken in float32.
@@ -121,6 +168,9 @@ def sample_completions(
     check_sampling_options(temperature, top_p, top_k)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, each with at least one token")
+    if stop_strings and decode is None:
+        raise ValueError("stop_strings need a decode function")
+    strings = StopStrings(stop_strings, decode, len(prompts)) if stop_strings else None
     device = next(model.parameters()).device
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)  # [S]
     input_ids, attention_mask, position_ids = _left_pad(prompts, pad_id, device)
@@ -128,6 +178,7 @@ def sample_completions(
     batch = len(prompts)
     active = torch.ones(batch, dtype=torch.bool, device=device)  # [B]
     tokens, logprobs = [], []  # per step: [B] each
+    string_ends: dict[int, int] = {}  # row -> length of a completion ended by a stop string
 
     was_training = model.training
     model.eval()
@@ -148,6 +199,11 @@ def sample_completions(
             logprobs.append(log_p.gather(-1, token[:, None])[:, 0])  # [B]
             was_active = active
             active = active & ~torch.isin(token, stop)
+            if strings is not None:
+                ended = strings.ended(token.tolist(), active.tolist())
+                if ended:
+                    string_ends.update((row, len(tokens)) for row in ended)
+                    active[torch.tensor(ended, device=device)] = False
             if not active.any():
                 break
             input_ids = token[:, None]  # [B, 1]
@@ -156,15 +212,20 @@ def sample_completions(
     finally:
         model.train(was_training)
 
-    return _completions(torch.stack(tokens, 1), torch.stack(logprobs, 1), set(stop_ids))
+    return _completions(torch.stack(tokens, 1), torch.stack(logprobs, 1), set(stop_ids), string_ends)
 
 
-def _completions(tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int]) -> list[Completion]:
-    """Cut ``tokens [B, N]`` / ``logprobs [B, N]`` after each row's first stop token."""
+def _completions(
+    tokens: torch.Tensor, logprobs: torch.Tensor, stop_ids: set[int], string_ends: dict[int, int]
+) -> list[Completion]:
+    """Cut ``tokens [B, N]`` / ``logprobs [B, N]`` after each row's first stop token, or at the
+    length ``string_ends`` gives for a row ended by a stop string."""
     result = []
-    for row_ids, row_lp in zip(tokens.tolist(), logprobs.tolist()):
-        ends = [i for i, token in enumerate(row_ids) if token in stop_ids]
-        length = ends[0] + 1 if ends else len(row_ids)
+    for row, (row_ids, row_lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+        ends = [i + 1 for i, token in enumerate(row_ids) if token in stop_ids]
+        if row in string_ends:
+            ends = [string_ends[row]]
+        length = ends[0] if ends else len(row_ids)
         result.append(Completion(ids=row_ids[:length], logprobs=row_lp[:length], stopped=bool(ends)))
     return result
 
@@ -173,14 +234,31 @@ class HFSampler:
     """A `Sampler` over a Hugging Face causal LM: `sample_completions` with these options.
 
     ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights.
+    ``stop_ids`` end completions besides those each call names; ``stop_strings`` end them too,
+    found in the text ``decode`` gives (a task's ``tokenizer.decode``).
     """
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_strings: Sequence[str] = (),
+        stop_ids: Sequence[int] = (),
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ) -> None:
         check_sampling_options(temperature, top_p, top_k)
+        if stop_strings and decode is None:
+            raise ValueError("stop_strings need a decode function")
         self.model = model
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
+        self.stop_strings = tuple(stop_strings)
+        self.stop_ids = tuple(stop_ids)
+        self.decode = decode
 
     @property
     def vocab_size(self) -> int:
@@ -203,7 +281,33 @@ class HFSampler:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            stop_ids=stop_ids,
+            stop_ids=(*stop_ids, *self.stop_ids),
             pad_id=pad_id,
             generator=generator,
+            stop_strings=self.stop_strings,
+            decode=self.decode,
         )
+
+
+def build_sampler(model: torch.nn.Module, rollout: Any, tokenizer: Any) -> HFSampler:
+    """The `HFSampler` of ``rollout``'s options (``temperature``, ``top_p``, ``top_k``, ``stop``) for a
+    task's ``tokenizer``: the strings of ``rollout.stop`` are searched in the text ``tokenizer.decode``
+    gives; its ids and the tokenizer's own ``stop_ids`` (if it has any) end completions like eos.
+    A stop that cannot work is a `UserError`."""
+    strings = [s for s in rollout.stop if isinstance(s, str)]
+    ids = [s for s in rollout.stop if not isinstance(s, str)]
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if "" in strings:
+        raise UserError("rollout.stop: an empty stop string would end every completion at its first token")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise UserError(f"rollout.stop: ids {outside} are outside the model's vocabulary (0..{vocab_size - 1})")
+    return HFSampler(
+        model,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        stop_strings=strings,
+        stop_ids=(*ids, *getattr(tokenizer, "stop_ids", ())),
+        decode=tokenizer.decode,
+    )

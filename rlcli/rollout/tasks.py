@@ -2,13 +2,21 @@
 
 A task is any object with (plug your own in with ``_target_``):
 
-- ``tokenizer``: has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size`` and
-  ``eos_id`` (the sampler stops at ``eos_id``; the model's vocabulary must hold ``vocab_size`` ids);
+- ``tokenizer``: has ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``, ``eos_id``
+  and ``pad_id`` (the sampler stops at ``eos_id``, and at the ids of an optional ``stop_ids``; the
+  model's vocabulary must hold ``vocab_size`` ids; ``decode`` also finds ``rollout.stop`` strings);
 - ``sample_prompts(rng: random.Random, n: int) -> list[Prompt]``: ``n`` prompts drawn with ``rng``
   only, so that a seeded ``rng`` gives the same prompts again;
 - ``reward(prompt: Prompt, completion_ids: list[int]) -> float`` in ``[0, 1]``: the completion
   as sampled (ending with ``eos_id`` if the sampler stopped there, cut at the token budget if not);
 - ``is_correct(prompt, completion_ids) -> bool``: the exact answer followed by ``eos_id``.
+
+and optionally:
+
+- ``eval_prompts() -> list[Prompt]``: a held-out split to evaluate on (``rlcli eval``, ``eval.every``),
+  in a fixed order; without it, evaluation draws prompts with ``sample_prompts`` and a fixed seed;
+- ``take_reward_stats() -> dict[str, float]``: statistics of the rewards given since the last call
+  (e.g. ``reward/<name>``), logged with each step's.
 
 The built-in tasks score a completion against ``answer`` + eos in token space (see
 ``sequence_reward``), so ids the tokenizer does not know (a model vocabulary larger than the
@@ -18,8 +26,9 @@ tokenizer's) simply count as wrong.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "AdditionTask",
@@ -68,11 +77,14 @@ class CharTokenizer:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's text, its token ids and the expected answer text."""
+    """A prompt's text, its token ids, the expected answer text (None if a dataset gives none) and
+    the record's other fields, which rewards may read. ``fields`` (read-only by convention) takes
+    part in equality but not in the hash, so a prompt with unhashable field values still hashes."""
 
     text: str
     ids: tuple[int, ...]
-    answer: str
+    answer: str | None
+    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 def sequence_reward(

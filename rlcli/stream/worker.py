@@ -22,7 +22,7 @@ from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, Stre
 from rlcli.data.writers import to_record
 from rlcli.errors import UserError
 from rlcli.rollout.onpolicy import OnPolicyRollouts, step_seed
-from rlcli.rollout.sampler import HFSampler
+from rlcli.rollout.sampler import build_sampler
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import newest_weights, unread
 from rlcli.stream.records import weights_key
@@ -143,7 +143,7 @@ class SamplerWorker:
             raise UserError(f"task: its tokenizer has {self.task.tokenizer.vocab_size} ids, the published model "
                             f"only {model.config.vocab_size}")
         r = self.rollout
-        sampler = HFSampler(model, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        sampler = build_sampler(model, r, self.task.tokenizer)
         self.rollouts = OnPolicyRollouts(
             self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
             max_new_tokens=r.max_new_tokens, estimator=self.advantage.estimator, eps=self.advantage.eps,

@@ -13,7 +13,7 @@ from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
 from rlcli.rollout.onpolicy import OnPolicyRollouts
-from rlcli.rollout.sampler import HFSampler
+from rlcli.rollout.sampler import build_sampler
 from rlcli.training.sources.base import DataKind, StepSource
 from rlcli.training.step import CollectedStep
 
@@ -84,7 +84,7 @@ class OnPolicyGeneration(DataKind):
         cfg, r = self.cfg, self.cfg.rollout
 
         def make_source(rank: int, world_size: int) -> OnPolicySource:
-            sampler = HFSampler(policy, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+            sampler = build_sampler(policy, r, self.task.tokenizer)
             generator = OnPolicyRollouts(
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,

@@ -1,0 +1,311 @@
+"""``task=prompts``: prompts from your own JSON Lines / Parquet files, scored by verifiable rewards.
+
+A record (a JSON line, a Parquet row) holds ``prompt`` (text, or chat messages
+``[{"role": ..., "content": ...}, ...]``), ``answer`` (text or a number; optional when no reward
+needs one) and any other fields, which the rewards get as keywords (`rlcli.rollout.rewards`).
+
+How a prompt becomes tokens (as in TRL's trainers, whose datasets look the same):
+
+- chat messages go through the chat template (``chat_template``, else the tokenizer's), which
+  writes its own special tokens, with the opening of the assistant's turn; when the last message
+  is the assistant's, the template continues it instead. ``system_prompt`` comes first unless the
+  messages start with a system message;
+- text is used as it is, with the special tokens the tokenizer adds to any text (a BOS for Llama,
+  none for Qwen). With ``chat_template`` or ``system_prompt`` set, text becomes one user message
+  and goes through the template like messages.
+
+Every record is checked when the task is built; all the problems of all files are reported in one
+`UserError`, each with its ``file:line`` (``file:row N`` for Parquet).
+
+Training prompts are drawn without replacement within a call of `PromptsTask.sample_prompts`
+(through the data again when a call needs more than there are), independently between calls: the
+draw depends on the step's seeded ``rng`` only, so a resumed run draws the same prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rlcli.data.errors import DataError, RecordError
+from rlcli.data.readers import MAX_LISTED_PROBLEMS, expand_paths, read_records
+from rlcli.errors import UserError
+from rlcli.rollout.rewards import DEFAULT_REWARDS, build_rewards
+from rlcli.rollout.tasks import Prompt
+
+__all__ = ["ROLES", "HFTokenizer", "PromptsTask"]
+
+ROLES = ("system", "user", "assistant", "tool")
+# The files a local tokenizer directory holds one of; without any, transformers would build an empty
+# tokenizer from config.json alone.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with the interface of a task's ``tokenizer`` (`rlcli.rollout.tasks`).
+
+    ``eos_id`` is the tokenizer's eos, ``pad_id`` its pad token (eos if it has none), ``vocab_size``
+    all its tokens (added ones too), ``stop_ids`` the other ids that end a completion: those of
+    ``generation_config.json``'s ``eos_token_id`` (e.g. Llama 3's end of turn), as in ``generate``.
+    """
+
+    def __init__(self, tokenizer: Any, *, stop_ids: Sequence[int] = (), name: str = "the tokenizer") -> None:
+        if tokenizer.eos_token_id is None:
+            raise UserError(f"task.tokenizer: {name} has no eos token, so completions could not end")
+        self.hf = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tokenizer)
+        self.stop_ids = tuple(i for i in dict.fromkeys(stop_ids) if i != self.eos_id)
+        self._ends = frozenset((self.eos_id, *self.stop_ids))
+
+    @classmethod
+    def load(cls, path: str, *, trust_remote_code: bool = False) -> HFTokenizer:
+        """The tokenizer of a model directory (or a Hub name) and its generation config's eos ids."""
+        from transformers import AutoTokenizer, GenerationConfig
+
+        local = Path(path).expanduser()
+        if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"task.tokenizer: {local} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                            "set task.tokenizer to a directory that has one")
+        source = str(local) if local.exists() else path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, TypeError) as err:
+            raise UserError(f"task.tokenizer: cannot load a tokenizer from {path}: {err}") from None
+        try:
+            eos = GenerationConfig.from_pretrained(source).eos_token_id
+        except (OSError, ValueError):  # no generation_config.json
+            eos = None
+        stop_ids = [eos] if isinstance(eos, int) else list(eos or ())
+        return cls(tokenizer, stop_ids=stop_ids, name=f"the tokenizer of {path}")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added."""
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` before the first eos or stop id; special tokens and ids outside the
+        tokenizer (rows of a larger model vocabulary) are left out."""
+        kept = []
+        for i in ids:
+            if i in self._ends:
+                break
+            if 0 <= i < self.vocab_size:
+                kept.append(i)
+        return self.hf.decode(kept, skip_special_tokens=True)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with OmegaConf containers turned into lists and dicts."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _patterns(value: Any, key: str) -> list[str]:
+    """A file, a glob or a list of them, as a list."""
+    value = _plain(value)
+    if value is None:
+        return []
+    if isinstance(value, (str, Path)):
+        return [str(value)]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, (str, Path)) for p in value):
+        raise UserError(f"{key}: must be a file, a glob or a list of them, got {value!r}")
+    return [str(p) for p in value]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class PromptsTask:
+    """Prompts of ``paths`` (JSON Lines / Parquet files or globs), scored by ``rewards``.
+
+    The held-out split, returned by `eval_prompts`, is the records of ``eval_paths``, or with none
+    the fraction ``eval_fraction`` of the records of ``paths`` chosen by a shuffle seeded by ``seed``
+    (at least one record when the fraction is above 0). ``tokenizer`` is a model directory (by
+    default the model's, ``model.path``); ``chat_template``, ``system_prompt``: see the module.
+    A prompt of more than ``max_prompt_tokens`` tokens is an error. ``rewards`` lists reward terms
+    (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone).
+    """
+
+    def __init__(
+        self,
+        paths: Any,
+        *,
+        eval_paths: Any = (),
+        eval_fraction: float = 0.0,
+        seed: int = 0,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        chat_template: str | None = None,
+        system_prompt: str | None = None,
+        max_prompt_tokens: int = 1024,
+        rewards: Any = None,
+    ) -> None:
+        patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
+        if not patterns:
+            raise UserError("task.paths: give the prompt files, JSON Lines or Parquet (task.paths=[train.jsonl])")
+        if not (_is_number(eval_fraction) and 0 <= eval_fraction < 1):
+            raise UserError(f"task.eval_fraction: must be a number in [0, 1), got {eval_fraction!r}")
+        if eval_patterns and eval_fraction:
+            raise UserError("task.eval_fraction: give the held-out prompts either as task.eval_paths or as a "
+                            "fraction of task.paths, not both")
+        if not (isinstance(max_prompt_tokens, int) and not isinstance(max_prompt_tokens, bool)
+                and max_prompt_tokens >= 1):
+            raise UserError(f"task.max_prompt_tokens: must be an integer >= 1, got {max_prompt_tokens!r}")
+        for key, value in (("chat_template", chat_template), ("system_prompt", system_prompt)):
+            if value is not None and not (isinstance(value, str) and value):
+                raise UserError(f"task.{key}: must be a non-empty string or null, got {value!r}")
+        self.rewards = build_rewards(DEFAULT_REWARDS if rewards is None else _plain(rewards), key="task.rewards")
+        if tokenizer is None:
+            raise UserError("task.tokenizer: task=prompts needs a tokenizer: give a Hugging Face model "
+                            "(model=hf model.path=DIR), whose tokenizer it uses, or task.tokenizer=DIR")
+        self.tokenizer = HFTokenizer.load(str(tokenizer), trust_remote_code=trust_remote_code)
+        self.tokenizer_path = str(tokenizer)
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
+
+        files, eval_files = _files(patterns, "task.paths"), _files(eval_patterns, "task.eval_paths")
+        both = {f.resolve() for f in files} & {f.resolve() for f in eval_files}
+        if both:
+            raise UserError(f"task.eval_paths: {sorted(map(str, both))[0]} is in task.paths too; "
+                            "held-out prompts must not be trained on")
+        problems: list[str] = []
+        train = self._read(files, "task.paths", problems)
+        held_out = self._read(eval_files, "task.eval_paths", problems) if eval_files else []
+        if problems:
+            lines = [f"task: {len(problems)} problems in the prompt files:"]
+            lines += [f"  {p}" for p in problems[:MAX_LISTED_PROBLEMS]]
+            if len(problems) > MAX_LISTED_PROBLEMS:
+                lines.append(f"  ... and {len(problems) - MAX_LISTED_PROBLEMS} more")
+            raise UserError("\n".join(lines))
+        if eval_fraction:
+            count = max(1, round(eval_fraction * len(train)))
+            if count >= len(train):
+                raise UserError(f"task.eval_fraction: holding out {count} of the {len(train)} prompts of "
+                                "task.paths leaves none to train on")
+            order = list(range(len(train)))
+            random.Random(f"rlcli-eval-split/{seed}").shuffle(order)
+            chosen = set(order[:count])
+            held_out = [p for i, p in enumerate(train) if i in chosen]
+            train = [p for i, p in enumerate(train) if i not in chosen]
+        self.train = train
+        self.held_out = held_out
+
+    def _read(self, files: list[Path], key: str, problems: list[str]) -> list[Prompt]:
+        """The prompts of every record of ``files``; each bad record (or unreadable file) adds a
+        line to ``problems``."""
+        prompts = []
+        for path in files:
+            try:
+                for source, record in read_records(path):
+                    if isinstance(record, RecordError):
+                        problems.append(str(record))
+                        continue
+                    try:
+                        prompts.append(self._prompt(record, source))
+                    except RecordError as err:
+                        problems.append(str(err))
+            except DataError as err:
+                problems.append(str(err))
+        if not prompts and not problems:
+            problems.append(f"{key}: {', '.join(map(str, files))} hold no records")
+        return prompts
+
+    def _prompt(self, record: Mapping[str, Any], source: str) -> Prompt:
+        """The `Prompt` of one record; a `RecordError` naming ``source`` and the field if it is bad."""
+        if "prompt" not in record:
+            raise RecordError(source, "prompt", "missing")
+        value, answer = record["prompt"], record.get("answer")
+        if answer is not None and not isinstance(answer, str):
+            if not (_is_number(answer) and math.isfinite(answer)):
+                raise RecordError(source, "answer", f"must be text or a finite number, got {answer!r}")
+            answer = str(answer)
+        if isinstance(value, str) and self.chat_template is None and self.system_prompt is None:
+            text = value
+            ids = self.tokenizer.hf.encode(text, add_special_tokens=True)
+        else:
+            messages = [{"role": "user", "content": value}] if isinstance(value, str) else _messages(value, source)
+            text = self._apply_template(messages, source)
+            ids = self.tokenizer.hf.encode(text, add_special_tokens=False)
+        if not ids:
+            raise RecordError(source, "prompt", "has no tokens")
+        if len(ids) > self.max_prompt_tokens:
+            raise RecordError(source, "prompt", f"is {len(ids)} tokens long, more than "
+                                                f"task.max_prompt_tokens={self.max_prompt_tokens}")
+        fields = {k: v for k, v in record.items() if k not in ("prompt", "answer")}
+        return Prompt(text=text, ids=tuple(ids), answer=answer, fields=fields)
+
+    def _apply_template(self, messages: list[dict], source: str) -> str:
+        if self.chat_template is None and self.tokenizer.hf.chat_template is None:
+            raise UserError(f"task.chat_template: {source} gives chat messages, but the tokenizer of "
+                            f"{self.tokenizer_path} has no chat template; set task.chat_template (Jinja)")
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        continued = messages[-1]["role"] == "assistant"
+        try:
+            return self.tokenizer.hf.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=not continued, continue_final_message=continued,
+            )
+        except Exception as err:  # a Jinja error, or the template's own raise_exception
+            raise RecordError(source, "prompt", f"the chat template fails on it: {err}") from None
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        """``n`` training prompts drawn with ``rng``: all different while ``n`` allows."""
+        picks: list[int] = []
+        while len(picks) < n:
+            picks += rng.sample(range(len(self.train)), min(n - len(picks), len(self.train)))
+        return [self.train[i] for i in picks]
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts, in file order (empty without a held-out split)."""
+        return list(self.held_out)
+
+    def _score_args(self, prompt: Prompt, completion_ids: Sequence[int]) -> tuple[str, dict]:
+        text = self.tokenizer.decode(completion_ids)
+        return text, {"answer": prompt.answer, "prompt": prompt.text, "fields": prompt.fields}
+
+    def reward(self, prompt: Prompt, completion_ids: Sequence[int]) -> float:
+        """The rewards' weighted sum on the completion's text (before eos, special tokens left out)."""
+        text, context = self._score_args(prompt, completion_ids)
+        return self.rewards.score(text, **context)
+
+    def is_correct(self, prompt: Prompt, completion_ids: Sequence[int]) -> bool:
+        text, context = self._score_args(prompt, completion_ids)
+        return self.rewards.is_correct(text, **context)
+
+    def take_reward_stats(self) -> dict[str, float]:
+        """``reward/<name>`` and ``reward_errors`` since the last call (`RewardSet.take_stats`)."""
+        return self.rewards.take_stats()
+
+
+def _files(patterns: list[str], key: str) -> list[Path]:
+    """The files ``patterns`` name (`expand_paths`); none for no patterns."""
+    try:
+        return expand_paths(patterns) if patterns else []
+    except DataError as err:
+        raise UserError(f"{key}: {err}") from None
+
+
+def _messages(value: Any, source: str) -> list[dict]:
+    """``value`` checked as a non-empty list of chat messages, each with a role and text content
+    (other keys are kept for the template)."""
+    if not isinstance(value, list) or not value:
+        kind = "an empty list" if isinstance(value, list) else repr(value)
+        raise RecordError(source, "prompt", f"must be text or a non-empty list of chat messages, got {kind}")
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise RecordError(source, f"prompt[{i}]", f"must be a message {{role, content}}, got {message!r}")
+        if message.get("role") not in ROLES:
+            raise RecordError(source, f"prompt[{i}].role", f"must be one of {', '.join(ROLES)}, "
+                                                          f"got {message.get('role')!r}")
+        if not isinstance(message.get("content"), str):
+            raise RecordError(source, f"prompt[{i}].content", f"must be text, got {message.get('content')!r}")
+    return [dict(m) for m in value]

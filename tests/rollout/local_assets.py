@@ -1,0 +1,104 @@
+"""Test assets built locally, without downloads: a byte-level BPE tokenizer with a chat template, a
+tiny random-init Qwen2 saved as a Hugging Face directory, and an arithmetic prompt dataset."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+EOS = "<|im_end|>"  # ends an assistant turn, as in Qwen2.5-Instruct
+PAD = "<|endoftext|>"
+SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS)
+CHAT_TEMPLATE = (  # ChatML
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    sums = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
+    words = ["The answer is 7.", "Question: what is 3+4? Answer: 7", "\\boxed{12}", "system", "user",
+             "assistant", "Add the numbers.", "<think> </think>", "<answer> </answer>", "\n"]
+    return (sums + words) * 4
+
+
+def make_tokenizer(directory: str | Path) -> Path:
+    """Train a byte-level BPE (every byte is a token, so any text encodes) on a small corpus of sums
+    and words, with eos ``<|im_end|>``, pad ``<|endoftext|>`` and a ChatML template; save it in
+    ``directory`` with ``save_pretrained``. Returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=PAD,
+                                        chat_template=CHAT_TEMPLATE)
+    directory = Path(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_tiny_qwen2(directory: str | Path, vocab_size: int | None = None, *, hidden_size: int = 64,
+                    num_layers: int = 2, seed: int = 0) -> Path:
+    """A tiny ``Qwen2ForCausalLM`` with random weights (seeded, the global RNG untouched), saved in
+    ``directory`` with the tokenizer of `make_tokenizer`. ``vocab_size`` defaults to the multiple of
+    16 next above the tokenizer's size: like Qwen's, the model has rows no token uses. 4 query heads
+    share 2 key/value heads; ``hidden_size`` must be a multiple of 8 (an even head size for RoPE)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    if hidden_size % 8:
+        raise ValueError(f"hidden_size must be a multiple of 8 (4 heads of an even size), got {hidden_size}")
+    transformers_logging.disable_progress_bar()
+    directory = make_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    vocab_size = vocab_size or (len(tokenizer) // 16 + 1) * 16
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's {len(tokenizer)} tokens")
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+def make_arithmetic_dataset(path: str | Path, n: int, seed: int, *, chat: bool = False) -> Path:
+    """``n`` records ``{"prompt": "3+4=", "answer": "7"}`` with single-digit sums (``a + b <= 9``),
+    the prompt as chat messages (one user message) if ``chat``; JSON Lines, or Parquet for a
+    ``.parquet`` path. Returns the path."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        a = rng.randint(0, 9)
+        b = rng.randint(0, 9 - a)
+        text = f"{a}+{b}="
+        records.append({"prompt": [{"role": "user", "content": text}] if chat else text, "answer": str(a + b)})
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
