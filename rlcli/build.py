@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.console import RichConsole
+from rlcli.callbacks.evaluate import PeriodicEval, build_periodic_eval
 from rlcli.callbacks.preemption import StopOnSignal
 from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
@@ -37,7 +38,8 @@ def build_callbacks(specs: list[dict]) -> list[L.Callback]:
     return callbacks
 
 
-def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strategy) -> L.Trainer:
+def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strategy,
+                  evaluation: PeriodicEval | None = None) -> L.Trainer:
     checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)
     return L.Trainer(
         max_steps=cfg.trainer.max_steps,
@@ -48,7 +50,7 @@ def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strateg
         precision=cfg.trainer.precision,
         logger=build_loggers(cfg.logger, resolved, run_dir),
         callbacks=[checkpoint, StopOnSignal(checkpoint), RichConsole(resolved, run_dir),
-                   *build_callbacks(cfg.callbacks)],
+                   *([evaluation] if evaluation else []), *build_callbacks(cfg.callbacks)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -93,6 +95,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tup
     """Policy, data, module and trainer of a validated config (seed the RNGs first); ``resolved`` is the
     same config as Hydra composed it, for the console and the loggers."""
     data = DATA_KINDS[cfg.data.kind](cfg, run_dir)
+    evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
     module = PolicyModule(
@@ -101,4 +104,4 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tup
         seed=cfg.seed, max_tokens=cfg.data.max_tokens, reference=build_reference(cfg, policy), shard=shard,
         documents_log=DocumentsLog(run_dir / "documents.jsonl"), publisher=build_publisher(cfg, run_dir),
     )
-    return module, build_trainer(cfg, resolved, run_dir, strategy)
+    return module, build_trainer(cfg, resolved, run_dir, strategy, evaluation)

@@ -13,6 +13,8 @@ commands:
   train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
   sample [HYDRA OVERRIDES]  a sampler of the live loop: pushes rollouts into the stream at data.url
   loop [HYDRA OVERRIDES]    the live loop on this machine: Redis, sample.workers samplers and the trainer
+  eval MODEL_DIR [HYDRA OVERRIDES]
+                            evaluate a model directory on the task: reward, pass@1, pass@k (eval.samples)
   data check FILE...        validate rollout files and print a summary
   stream push FILE... --url URL
                             push rollout files into a Redis stream (`rlcli train data=stream` reads it)
@@ -61,6 +63,18 @@ def _loop(args: list[str]) -> int:
     from rlcli.sample import with_stream_data
 
     return _hydra_app("loop", with_stream_data(args))
+
+
+def _eval(args: list[str]) -> int:
+    from rlcli.errors import UserError
+    from rlcli.eval import model_overrides
+
+    try:
+        overrides = model_overrides(args)
+    except UserError as err:
+        print(f"rlcli eval: error: {err}", file=sys.stderr)
+        return 2
+    return _hydra_app("eval", overrides)
 
 
 def _data(args: list[str]) -> int:
@@ -119,7 +133,8 @@ def _report(args: list[str]) -> int:
     return report_command(options.path, options.out, console=Console())
 
 
-COMMANDS = {"train": _train, "sample": _sample, "loop": _loop, "data": _data, "stream": _stream, "report": _report}
+COMMANDS = {"train": _train, "sample": _sample, "loop": _loop, "eval": _eval, "data": _data, "stream": _stream,
+            "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,6 +151,13 @@ class RolloutConfig:
 
 
 @dataclass
+class EvalConfig:
+    samples: int = bounded(ge=1)
+    every: int = bounded(ge=0)
+    prompts: int = bounded(ge=1)
+
+
+@dataclass
 class AdvantageConfig:
     estimator: Literal[ESTIMATORS]
     eps: float = bounded(gt=0)
@@ -265,6 +272,7 @@ class TrainConfig:
     publish: Optional[PublishConfig]  # with data=stream
     sample: Optional[SampleConfig]  # with data=stream
     advantage: AdvantageConfig
+    eval: EvalConfig
     optimizer: Union[AdamWConfig, SGDConfig]
     trainer: TrainerConfig
     strategy: Union[AutoStrategyConfig, DDPStrategyConfig, FSDPStrategyConfig, FSDP2StrategyConfig]

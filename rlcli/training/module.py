@@ -280,8 +280,19 @@ class PolicyModule(L.LightningModule):
             metrics["carried_documents"] = step.carried_over
         if self.steps_done == 1:
             warn_if_off_policy(metrics, self.loss.temperature)
+        metrics |= self._callback_metrics()
         self._log_step(metrics)
         return None
+
+    def _callback_metrics(self) -> dict[str, float]:
+        """What callbacks add to this step's row: each callback with a ``step_metrics(trainer, module)``
+        method (e.g. ``eval.every``'s `rlcli.callbacks.evaluate.PeriodicEval`) is asked on every rank,
+        after the update, so that a step keeps one row of metrics."""
+        metrics: dict[str, float] = {}
+        for callback in self.trainer.callbacks:
+            if callable(getattr(callback, "step_metrics", None)):
+                metrics |= callback.step_metrics(self.trainer, self)
+        return metrics
 
     def _update(self, optimizer, loss: float, plan: StepPlan) -> float:
         """Clip and apply the step's gradient; returns the gradient norm before clipping.

@@ -1,0 +1,89 @@
+"""``eval.every=N``: evaluate the policy during training, into the same rows of ``metrics.csv``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+
+from rlcli.conf.schema import RolloutConfig, TrainConfig
+from rlcli.conf.validate import ConfigError
+from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
+from rlcli.rollout.sampler import build_sampler
+from rlcli.rollout.tasks import Prompt
+from rlcli.training import distributed
+
+
+class PeriodicEval(L.Callback):
+    """Every ``every`` steps (not at step 0), `rlcli.rollout.evaluate.evaluate` of the current policy on
+    ``prompts``: ``samples`` completions of each, sampled as ``rollout`` says (its options, stops and
+    ``max_new_tokens``; ``prompts_per_step x group_size`` sequences per sampler call). The metrics join
+    that step's row as ``eval/<metric>``: the module asks for them (`step_metrics`) after the step's
+    update and before it logs the row, so a step keeps one row.
+
+    The sampler samples the policy in eval mode without gradients, then gives it its mode back. Every rank
+    holds the whole policy (strategy=auto or ddp; sharded strategies are refused by the config):
+    rank ``r`` evaluates prompts ``r, r + world_size, ...`` with seed ``seed + r``, and the per-prompt
+    sums are all-reduced, so every rank logs the same means. Each evaluation uses the same seeds,
+    so the steps are compared on the same random draws; a single process draws what `rlcli eval`
+    would of the same weights and settings. The task's reward statistics (``take_reward_stats``) of
+    an evaluation are kept out of training's and not logged.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        prompts: Sequence[Prompt],
+        *,
+        every: int,
+        samples: int,
+        rollout: RolloutConfig,
+        seed: int,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.task = task
+        self.prompts = list(prompts)
+        self.every = every
+        self.samples = samples
+        self.rollout = rollout
+        self.seed = seed
+
+    def step_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """``eval/<metric>`` of the policy after this step's update on a step that is due, else ``{}``
+        (called on every rank)."""
+        step = pl_module.steps_done
+        if step == 0 or step % self.every:
+            return {}
+        rank, world_size = distributed.rank(), distributed.world_size()
+        mine = self.prompts[rank::world_size]
+        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=pl_module.device)  # [M + 1]: sums, count
+        if mine:
+            r = self.rollout
+            sampler = build_sampler(pl_module.policy, r, self.task.tokenizer)  # eval mode, no gradients, then back
+            result = evaluate(self.task, sampler, mine, samples=self.samples, max_new_tokens=r.max_new_tokens,
+                              seed=self.seed + rank, batch_size=r.prompts_per_step * r.group_size)
+            sums[:-1] = torch.tensor([sum(row[name] for row in result.rows) for name in METRICS], dtype=torch.float64)
+            sums[-1] = len(mine)
+        sums = distributed.all_reduce(sums, "sum").tolist()
+        return {f"eval/{name}": total / sums[-1] for name, total in zip(METRICS, sums)}
+
+
+def build_periodic_eval(cfg: TrainConfig, task: Any) -> PeriodicEval | None:
+    """The ``eval.every`` callback of a validated config on ``task`` (the data kind's; None without one),
+    with the ``rollout.*`` sampling options; None when ``eval.every=0``."""
+    e = cfg.eval
+    if e.every == 0:
+        return None
+    problems = []
+    if task is None:
+        problems.append(f"eval.every: evaluation needs a task (data=generate or stream), not data={cfg.data.kind}")
+    if cfg.strategy.name not in ("auto", "ddp"):
+        problems.append("eval.every: every rank samples with the whole policy, so evaluation runs with "
+                        f"strategy=auto or ddp, not {cfg.strategy.name}")
+    if problems:
+        raise ConfigError(problems)
+    return PeriodicEval(task, eval_prompts(task, e.prompts), every=e.every, samples=e.samples, rollout=cfg.rollout,
+                        seed=cfg.seed)

@@ -1,0 +1,114 @@
+"""`rlcli eval MODEL_DIR`: evaluate a Hugging Face model directory on a task, a Hydra app over the same
+config as `rlcli train`.
+
+``rlcli eval MODEL_DIR [OVERRIDES]`` is ``model=hf model.path=MODEL_DIR`` plus the overrides. It reads
+``model.*`` (loaded with `rlcli.model.policy.build_policy`, on a GPU when there is one and
+``trainer.accelerator`` allows it), ``task``, ``rollout.*`` (sampling options, and
+``prompts_per_step x group_size`` sequences per sampler call), ``eval.samples``, ``eval.prompts`` and
+``seed``, evaluates with `rlcli.rollout.evaluate.evaluate`, prints a table and writes ``eval.json``
+(the settings, the metrics and one row per prompt) into its run directory (``hydra.run.dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rlcli.errors import UserError
+
+log = logging.getLogger("rlcli")
+task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
+USAGE = "rlcli eval MODEL_DIR [HYDRA OVERRIDES]"
+
+
+def model_overrides(args: list[str]) -> list[str]:
+    """``args`` (``MODEL_DIR`` first) as Hydra overrides: the directory becomes ``model=hf model.path=...``.
+    Options (``--help``, ``--cfg job``) pass through; no directory is a `UserError`."""
+    if args and args[0].startswith("-"):
+        return list(args)
+    if not args or ("=" in args[0] and not Path(args[0]).expanduser().exists()):
+        raise UserError(f"give the model directory first: {USAGE}")
+    path = str(Path(args[0]).expanduser().resolve()).replace("'", "\\'")
+    return ["model=hf", f"model.path='{path}'", *args[1:]]
+
+
+def _device(accelerator: str):
+    import torch
+
+    return torch.device("cuda" if accelerator != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+def _table(result, title: str):
+    from rich.table import Table
+    from rich.text import Text
+
+    m = result.metrics
+    table = Table(title=Text(title))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in (("mean reward", m["reward"]), ("pass@1", m["pass@1"]),
+                        (f"pass@{result.samples}", m["pass@k"]), ("mean length (tokens)", m["length"]),
+                        ("stopped fraction", m["stopped_fraction"])):
+        table.add_row(name, f"{value:.4f}")
+    for name, value in result.reward_stats.items():  # the task's own, e.g. reward/<name> per reward term
+        table.add_row(name, f"{value:.4f}")
+    table.add_row("prompts", str(len(result.rows)))
+    return table
+
+
+def evaluate_model(cfg: DictConfig, run_dir: Path) -> Path:
+    """Evaluate the model ``cfg`` names on its task; returns the path of the ``eval.json`` written."""
+    from rich.console import Console
+    from transformers.utils import logging as transformers_logging
+
+    from rlcli.conf import build_target
+    from rlcli.conf.validate import resolve_config, validate_config
+    from rlcli.model.policy import build_policy
+    from rlcli.rollout.evaluate import eval_prompts, evaluate
+    from rlcli.rollout.sampler import build_sampler
+
+    resolved, typed = resolve_config(cfg), validate_config(cfg)
+    if typed.task is None or typed.rollout is None:
+        raise UserError(f"task: rlcli eval needs a task and its rollout options (data=generate or stream, the "
+                        f"default), not data={typed.data.kind}")
+    task = build_target(typed.task, "task")
+    transformers_logging.disable_progress_bar()
+    model = build_policy(typed.model).to(_device(typed.trainer.accelerator))
+    if task.tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"task: its tokenizer has {task.tokenizer.vocab_size} ids, the model only "
+                        f"{model.config.vocab_size}")
+    e, r = typed.eval, typed.rollout
+    prompts = eval_prompts(task, e.prompts)
+    sampler = build_sampler(model, r, task.tokenizer)
+    log.info("evaluating %s: %d prompts x %d samples", typed.model.path, len(prompts), e.samples)
+    result = evaluate(task, sampler, prompts, samples=e.samples, max_new_tokens=r.max_new_tokens, seed=typed.seed,
+                      batch_size=r.prompts_per_step * r.group_size)
+
+    config = {"seed": typed.seed} | {key: OmegaConf.to_container(resolved[key]) for key in
+                                     ("model", "task", "rollout", "eval")}
+    report = {"config": config, "prompts": len(result.rows), "samples": e.samples, "metrics": result.metrics,
+              "reward_stats": result.reward_stats, "rows": result.rows}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "eval.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    Console().print(_table(result, f"rlcli eval: {type(task).__name__}"))
+    print(f"eval.json: {path}")
+    return path
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    global task_started
+    task_started = True
+    try:
+        evaluate_model(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except UserError as err:
+        print(f"rlcli eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
