@@ -26,6 +26,8 @@ def build_target(spec: dict, key: str):
     try:
         return instantiate(spec)
     except Exception as err:
+        if isinstance(err.__cause__, UserError):  # the object's own message (e.g. a task's data errors)
+            raise err.__cause__ from None
         raise UserError(f"{key}: cannot build {spec.get('_target_')}: {err}") from None
 
 

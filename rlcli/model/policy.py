@@ -70,5 +70,7 @@ def save_tokenizer_if_any(cfg: TinyModelConfig | HFModelConfig, out_dir: Path) -
         tokenizer = AutoTokenizer.from_pretrained(Path(cfg.path).expanduser(), trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, TypeError):
         return False
+    if len(tokenizer) == 0:  # transformers builds an empty tokenizer for a directory without tokenizer files
+        return False
     tokenizer.save_pretrained(out_dir)
     return True
