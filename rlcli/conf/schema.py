@@ -147,7 +147,7 @@ class RolloutConfig:
     top_p: float = bounded(gt=0, le=1)
     top_k: int = bounded(ge=0)
     save: bool
-    stop: list[Union[str, int]] = field(default_factory=list)  # strings and token ids; [] for code that builds it
+    stop: list[Union[str, int]]  # strings and token ids
 
 
 @dataclass

@@ -52,7 +52,7 @@ def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: in
     data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
-                            temperature=TEMPERATURE, top_p=1.0, top_k=0, save=False)
+                            temperature=TEMPERATURE, top_p=1.0, top_k=0, save=False, stop=[])
     return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
                          data=data, sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
                          stop=stop)
