@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rlcli.errors import UserError
+from rlcli.errors import UserError, exit_on_user_error
 
 log = logging.getLogger("rlcli")
 task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
@@ -107,8 +106,5 @@ def hydra_main(cfg: DictConfig) -> None:
 
     global task_started
     task_started = True
-    try:
+    with exit_on_user_error("eval"):
         evaluate_model(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except UserError as err:
-        print(f"rlcli eval: error: {err}", file=sys.stderr)
-        sys.exit(2)

@@ -27,7 +27,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rlcli.errors import UserError
+from rlcli.errors import UserError, exit_on_user_error
 
 task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 
@@ -224,9 +224,6 @@ def hydra_main(cfg: DictConfig) -> None:
     global task_started
     task_started = True
     hydra_cfg = HydraConfig.get()
-    try:
+    with exit_on_user_error("loop"):
         code = run_loop(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
-    except UserError as err:
-        print(f"rlcli loop: error: {err}", file=sys.stderr)
-        sys.exit(2)
     sys.exit(code)

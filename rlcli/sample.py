@@ -17,7 +17,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from rlcli.errors import UserError
+from rlcli.errors import UserError, exit_on_user_error
 
 log = logging.getLogger("rlcli")
 task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
@@ -98,9 +98,6 @@ def sample(cfg: DictConfig) -> int:
 def hydra_main(cfg: DictConfig) -> None:
     global task_started
     task_started = True
-    try:
+    with exit_on_user_error("sample"):
         code = sample(cfg)
-    except UserError as err:
-        print(f"rlcli sample: error: {err}", file=sys.stderr)
-        sys.exit(2)
     sys.exit(code)

@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rlcli.errors import UserError
+from rlcli.errors import exit_on_user_error
 
 log = logging.getLogger("rlcli")
 task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
@@ -80,11 +80,8 @@ def hydra_main(cfg: DictConfig) -> None:
 
     global task_started
     task_started = True
-    try:
+    with exit_on_user_error("train"):
         module = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except UserError as err:
-        print(f"rlcli train: error: {err}", file=sys.stderr)
-        sys.exit(2)
     from rlcli.callbacks.preemption import PREEMPTED_EXIT_CODE
 
     if module.preempted and module.global_rank == 0:
