@@ -22,11 +22,14 @@ class StopOnSignal(L.Callback):
         self.received: int | None = None  # the signal this process got
         self.preempted = False  # training stopped because some rank got a signal
         self._previous: dict = {}
+        self._module = None
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        self._module.source.interrupt()  # a source waiting for data ends the step now
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._module = pl_module
         # installed after Lightning's own handlers, which would stop without a checkpoint
         self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 

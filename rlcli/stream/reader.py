@@ -77,6 +77,7 @@ class StreamReader:
         self.resolved: list[str] = []  # entry IDs done with (trained, rejected or dropped), not yet acknowledged
         self.stale_dropped = 0  # records dropped for staleness, in all
         self.wait_time = 0.0  # seconds blocked on an empty stream since `take_wait_time`
+        self.interrupted = False  # a signal stops the run: wait no more
         self._count = 0  # documents read: their index
         self._backlog: str | None = "0"  # where to read this consumer's pending entries from; None: read new ones
         self._reconnects = conn.reconnects
@@ -171,7 +172,7 @@ class StreamReader:
                         return doc
                 if self._fetch(block=wait):
                     continue
-                if not wait:
+                if not wait or self.interrupted:
                     return None
                 waited, now = True, time.monotonic()
                 if now - warned >= self.options.wait_warning:

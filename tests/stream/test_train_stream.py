@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import threading
 import time
 
@@ -177,3 +179,26 @@ def test_data_url_is_required(tmp_path):
 
     with pytest.raises(UserError, match="data.url: required by data=stream"):
         train(compose_train_config(["data=stream"]), tmp_path)
+
+
+def test_a_signal_stops_a_trainer_waiting_on_an_empty_stream_at_once(redis_url, tmp_path):
+    with StreamWriter(redis_url) as writer:
+        writer.push_many([record(0)])
+
+    def signal_once_waiting():  # after step 1, the trainer waits for records that never come
+        r = client(redis_url)
+        while not (tmp_path / "metrics.csv").exists():
+            time.sleep(0.05)
+        time.sleep(1.0)
+        r.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_waiting)
+    started = time.monotonic()
+    sender.start()
+    module = train(compose_train_config(overrides(redis_url, "data.idle_timeout=120")), tmp_path)
+    sender.join()
+    assert module.preempted and module.steps_done == 1  # the next step ended empty at the signal
+    assert time.monotonic() - started < 60
+    assert (tmp_path / "checkpoints" / "step-1.ckpt").is_file()
+    assert not json.loads(client(redis_url).get("rlcli:rollouts:weights"))["final"]  # samplers wait for a resume

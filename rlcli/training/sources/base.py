@@ -21,7 +21,8 @@ class StepSource(ABC):
     (an empty step on every rank ends the run); ``state_dict``/``load_state_dict`` hold what a
     checkpoint needs to continue exactly; ``after_update(step)`` is called on every rank after each
     training step (``step`` counts them as ``metrics.csv`` does: the policy's version), and
-    ``checkpoint_durable()`` once the checkpoint of the latest ``state_dict`` is safely on disk."""
+    ``checkpoint_durable()`` once the checkpoint of the latest ``state_dict`` is safely on disk;
+    ``interrupt()`` when a signal stops the run."""
 
     @abstractmethod
     def next_step(self, step: int, device: torch.device) -> CollectedStep:
@@ -40,6 +41,11 @@ class StepSource(ABC):
 
     def checkpoint_durable(self) -> None:
         """Nothing to confirm to anyone unless the source says otherwise."""
+        return None
+
+    def interrupt(self) -> None:
+        """A signal asked the run to stop (called from the signal handler): a source that waits for
+        data stops waiting and ends the step with what it has. Nothing to do for one that never waits."""
         return None
 
 

@@ -65,6 +65,9 @@ class StreamSource(StepSource):
     def load_state_dict(self, state: dict) -> None:
         self.reader.load_state_dict(state)
 
+    def interrupt(self) -> None:
+        self.reader.interrupted = True
+
     def checkpoint_durable(self) -> None:
         self.reader.acknowledge(self._acknowledge_next)
         self._acknowledge_next = []
