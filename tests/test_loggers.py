@@ -46,3 +46,28 @@ def test_sweep_with_wandb_and_tensorboard_gives_each_member_its_own_runs(tmp_pat
         run_ids.add(offline_run.name.rsplit("-", 1)[-1])
     assert len(run_ids) == 2  # one wandb run per member, closed between members
     assert "name: gspo" in (members[1] / "config.yaml").read_text()
+
+
+def test_a_failure_while_metrics_csv_is_rewritten_leaves_the_old_file(tmp_path, monkeypatch):
+    """A resumed run cuts metrics.csv back by rewriting it: a kill (here: an error) in the middle of
+    that must leave the whole previous history, never an empty or half-written file."""
+    import csv
+
+    from rlcli.loggers.metrics_csv import MetricsCSVLogger
+
+    path = tmp_path / "metrics.csv"
+    logger = MetricsCSVLogger(path)
+    for step in (1, 2, 3):
+        logger.log_metrics({"loss": 0.5 * step}, step=step)
+    before = path.read_text()
+
+    def interrupted(self, rows):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsCSVLogger(path).resume_at(2)
+    assert path.read_text() == before
+    monkeypatch.undo()
+    MetricsCSVLogger(path).resume_at(2)
+    assert path.read_text().splitlines() == before.splitlines()[:3]  # header, steps 1 and 2

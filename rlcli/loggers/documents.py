@@ -8,11 +8,12 @@ stream record's ``id``. A resumed run keeps the lines up to the step it resumes 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_only
+
+from rlcli.loggers.atomic import replace_text
 
 
 class DocumentsLog:
@@ -40,6 +41,4 @@ class DocumentsLog:
                         kept.append(line)
                 except ValueError:  # the torn last line of a killed run
                     break
-        partial = self.path.with_name(self.path.name + ".tmp")
-        partial.write_text("".join(kept), encoding="utf-8")
-        os.replace(partial, self.path)
+        replace_text(self.path, "".join(kept))

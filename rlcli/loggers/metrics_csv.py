@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+
+from rlcli.loggers.atomic import replace_text
 
 
 class MetricsCSVLogger(Logger):
@@ -55,8 +58,15 @@ class MetricsCSVLogger(Logger):
             self._write([row], mode="a", header=False)
 
     def _write(self, rows: list[dict], mode: str, header: bool) -> None:
-        with self.path.open(mode, newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            if header:
-                writer.writeheader()
-            writer.writerows(rows)
+        """Append ``rows`` (``mode="a"``), or replace the file with ``rows`` atomically (``"w"``): a kill
+        while the header changes or a resumed run cuts the file back never leaves it empty."""
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        if mode == "w":
+            replace_text(self.path, text.getvalue())
+        else:
+            with self.path.open("a", newline="") as f:
+                f.write(text.getvalue())
