@@ -104,3 +104,20 @@ def test_default_run_learns(tmp_path, loss):
         rewards = [float(r["reward"]) for r in csv.DictReader(f)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first > 0.25, (first, last)
+
+
+def test_saved_rollouts_are_cut_back_on_resume_and_started_anew_by_a_fresh_run(tmp_path):
+    common = ["rollout.save=true", "rollout.prompts_per_step=3", "rollout.group_size=2", "trainer.max_steps=4",
+              "trainer.checkpoint_every=2", "logger=none"]
+    train(compose_train_config(common), tmp_path / "straight")
+    straight = (tmp_path / "straight" / "rollouts.jsonl").read_text()
+    assert len(straight.splitlines()) == 4 * 6
+
+    run = tmp_path / "run"
+    train(compose_train_config(common), run)
+    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed after step 4's records were written
+    train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
+    assert (run / "rollouts.jsonl").read_text() == straight  # steps 3 and 4 written once, not twice
+
+    train(compose_train_config(common), run)  # a fresh run in the same directory
+    assert (run / "rollouts.jsonl").read_text() == straight

@@ -12,6 +12,7 @@ from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
+from rlcli.loggers.atomic import replace_text
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import build_sampler
 from rlcli.training.sources.base import DataKind, StepSource
@@ -19,19 +20,36 @@ from rlcli.training.step import CollectedStep
 
 
 class OnPolicySource(StepSource):
-    """Each step samples fresh groups from the current policy (all of them form the step)."""
+    """Each step samples fresh groups from the current policy (all of them form the step). With
+    ``save_to`` the rollouts are also written there; the checkpoint holds how many, so a resumed run
+    cuts the file back to them and a fresh one starts it anew: no record is written twice."""
 
     def __init__(self, rollouts: OnPolicyRollouts, *, max_tokens: int, save_to: Path | None = None):
         self.rollouts = rollouts
         self.max_tokens = max_tokens
         self.save_to = save_to
+        self.saved: int | None = None  # records written to save_to; None: not started yet
 
     def next_step(self, step: int, device: torch.device) -> CollectedStep:
         documents, stats = self.rollouts.generate(step)
         if self.save_to is not None:
+            if self.saved is None:  # a fresh run: whatever an earlier run left there goes
+                self.save_to.unlink(missing_ok=True)
+                self.saved = 0
             append_jsonl(documents, self.save_to)
+            self.saved += len(documents)
         return CollectedStep(list(pack_documents(documents, self.max_tokens)), stats=stats)
-    # prompts and samples derive from (seed, step, rank): no state to keep
+    # prompts and samples derive from (seed, step, rank): nothing else to keep
+
+    def state_dict(self) -> dict:
+        return {"saved": self.saved or 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.save_to is not None and "saved" in state:  # (a checkpoint of an older rlcli has no count)
+            self.saved = state["saved"]
+            kept = self.save_to.read_text(encoding="utf-8").splitlines(keepends=True)[: self.saved] \
+                if self.save_to.is_file() else []
+            replace_text(self.save_to, "".join(kept))
 
 
 def _number(node, key):
