@@ -285,6 +285,12 @@ def write_rejections(rejections: Sequence[Rejection], path: str | Path, *, appen
             handle.write(line + "\n")
 
 
+def sampled_at_other_temperature(rollout: Rollout, temperature: float) -> bool:
+    """The record names a sampler temperature that is not ``temperature`` (``loss.temperature``)."""
+    return rollout.temperature is not None and not math.isclose(rollout.temperature, temperature, rel_tol=0,
+                                                                abs_tol=1e-6)
+
+
 def check_temperature(
     rollouts: Sequence[Rollout], temperature: float, *, allow_mismatch: bool = False
 ) -> int:
@@ -293,11 +299,7 @@ def check_temperature(
     Returns the number of mismatching rollouts. Unless ``allow_mismatch``, a mismatch raises
     ``DataError``: the importance ratio would compare distributions at different temperatures.
     """
-    mismatched = [
-        r
-        for r in rollouts
-        if r.temperature is not None and not math.isclose(r.temperature, temperature, rel_tol=0, abs_tol=1e-6)
-    ]
+    mismatched = [r for r in rollouts if sampled_at_other_temperature(r, temperature)]
     if mismatched and not allow_mismatch:
         first = mismatched[0]
         raise DataError(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ import redis
 
 from rlcli.data.errors import RecordError
 from rlcli.data.packing import MicroBatch, make_micro_batch
-from rlcli.data.readers import Rejection, write_rejections
+from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.data.writers import to_record
 from rlcli.stream.connection import RedisConnection
@@ -106,6 +105,10 @@ class StreamReader:
 
     # -- exactly-once bookkeeping
 
+    def staleness(self, doc: Rollout) -> int:
+        """Versions between the policy that sampled ``doc`` and the trainer's now."""
+        return self.version - doc.policy_version
+
     def resolve(self, documents: Sequence[Rollout]) -> None:
         """``documents`` went into a step: their entries are acknowledged with the next durable checkpoint."""
         self.resolved += [self.entry_of.pop(doc.index) for doc in documents]
@@ -149,7 +152,7 @@ class StreamReader:
     def _next_document(self, wait: bool) -> Rollout | None:
         """The next document not too stale to train at the current version (see `_read`)."""
         while (doc := self.carried.popleft() if self.carried else self._read(wait)) is not None:
-            staleness = self.version - doc.policy_version
+            staleness = self.staleness(doc)
             if staleness <= self.options.max_lag:
                 return doc
             self.stale_dropped += 1
@@ -240,8 +243,7 @@ class StreamReader:
                               "them per group in the sampler, e.g. rlcli.stream.group_advantages_for)")
         if o.need_ref_logprobs and doc.ref_logprobs is None:
             raise RecordError(doc.source, "ref_logprobs", "missing, and kl.reference=rollouts needs them")
-        if (doc.temperature is not None and not o.allow_temperature_mismatch
-                and not math.isclose(doc.temperature, o.temperature, rel_tol=0, abs_tol=1e-6)):
+        if not o.allow_temperature_mismatch and sampled_at_other_temperature(doc, o.temperature):
             raise RecordError(doc.source, "temperature", f"sampled at {doc.temperature} but loss.temperature="
                               f"{o.temperature} (data.allow_temperature_mismatch=true trains on it anyway)")
         self._count += 1

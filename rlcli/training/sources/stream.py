@@ -38,7 +38,7 @@ class StreamSource(StepSource):
                                  docs_per_step=self.docs_per_step, exact=self.exact, device=device)
         documents = [doc for batch in collected.micro_batches for doc in batch.documents]
         reader.resolve(documents)
-        staleness = [reader.version - doc.policy_version for doc in documents]
+        staleness = [reader.staleness(doc) for doc in documents]
         rewards = [doc.reward for doc in documents if doc.reward is not None]
         # [6] summed and [1] maximised over ranks: every rank logs the same values
         sums = distributed.all_reduce(torch.tensor(
@@ -95,7 +95,7 @@ class StreamRollouts(DataKind):
 
     def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
         cfg, data = self.cfg, self.cfg.data
-        connect(data.url)  # fail before training starts when nothing answers
+        connect(data.url).close()  # fail before training starts when nothing answers
         options = ReaderOptions(
             stream=data.stream, group=data.group, max_tokens=data.max_tokens, vocab_size=policy.config.vocab_size,
             max_lag=data.max_lag, temperature=cfg.loss.temperature,
