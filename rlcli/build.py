@@ -11,9 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
+from rlcli.callbacks.checkpoint_io import RunDirCheckpointIO
 from rlcli.callbacks.console import RichConsole
 from rlcli.callbacks.evaluate import PeriodicEval, build_periodic_eval
 from rlcli.callbacks.preemption import StopOnSignal
+from rlcli.callbacks.resume import RunIdentity
 from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
@@ -38,9 +40,9 @@ def build_callbacks(specs: list[dict]) -> list[L.Callback]:
     return callbacks
 
 
-def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strategy,
+def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, run: RunIdentity, strategy,
                   evaluation: PeriodicEval | None = None) -> L.Trainer:
-    checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every)
+    checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every, run)
     return L.Trainer(
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
@@ -48,6 +50,7 @@ def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strateg
         num_nodes=cfg.trainer.num_nodes,
         strategy=strategy,
         precision=cfg.trainer.precision,
+        plugins=[RunDirCheckpointIO()],
         logger=build_loggers(cfg.logger, resolved, run_dir),
         callbacks=[checkpoint, StopOnSignal(checkpoint), RichConsole(resolved, run_dir),
                    *([evaluation] if evaluation else []), *build_callbacks(cfg.callbacks)],
@@ -91,9 +94,10 @@ def build_publisher(cfg: TrainConfig, run_dir: Path) -> WeightPublisher | None:
                            every=p.every, keep=p.keep, model_cfg=cfg.model)
 
 
-def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tuple[PolicyModule, L.Trainer]:
+def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
+                   run: RunIdentity) -> tuple[PolicyModule, L.Trainer]:
     """Policy, data, module and trainer of a validated config (seed the RNGs first); ``resolved`` is the
-    same config as Hydra composed it, for the console and the loggers."""
+    same config as Hydra composed it, for the console and the loggers; ``run`` goes into every checkpoint."""
     data = DATA_KINDS[cfg.data.kind](cfg, run_dir)
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
@@ -104,4 +108,4 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path) -> tup
         seed=cfg.seed, max_tokens=cfg.data.max_tokens, reference=build_reference(cfg, policy), shard=shard,
         documents_log=DocumentsLog(run_dir / "documents.jsonl"), publisher=build_publisher(cfg, run_dir),
     )
-    return module, build_trainer(cfg, resolved, run_dir, strategy, evaluation)
+    return module, build_trainer(cfg, resolved, run_dir, run, strategy, evaluation)

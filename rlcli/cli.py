@@ -38,15 +38,30 @@ def _hydra_app(name: str, args: list[str], *, relaunched: bool = False) -> int:
         os.environ[RELAUNCH_COMMAND] = name
     # the local config folder on Hydra's search path (rlcli_local/) is optional
     warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises what fails before the task, for us to report
     try:
         app.hydra_main()
     except SystemExit as exit:
         if exit.code == 1 and not app.task_started:
             return 2
         return exit.code if isinstance(exit.code, int) else 1
+    except Exception as err:
+        if app.task_started:
+            raise
+        print(f"rlcli {name}: error: {_before_task(err)}", file=sys.stderr)
+        return 2
     finally:
         os.environ.pop(RELAUNCH_COMMAND, None)
     return 0
+
+
+def _before_task(err: Exception) -> str:
+    """What went wrong before the task ran: a config that does not compose, or a run directory that
+    cannot be created or written (Hydra makes it and its log file first)."""
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"{err.filename}: {err.strerror}"
+    cause = err.__cause__
+    return f"{err}\n{cause}" if cause is not None and str(cause) not in str(err) else str(err)
 
 
 def _train(args: list[str]) -> int:

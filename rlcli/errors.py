@@ -1,7 +1,11 @@
 """User-facing errors: the CLI prints their message and exits with code 2, no traceback."""
 
+import errno
 import sys
 from contextlib import contextmanager
+
+# a file the system would not let the run write or read: full, over quota, read-only, not permitted
+REFUSED_BY_STORAGE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 class UserError(Exception):
@@ -10,9 +14,15 @@ class UserError(Exception):
 
 @contextmanager
 def exit_on_user_error(command: str):
-    """Inside a command: a `UserError` becomes one line ``rlcli <command>: error: ...`` on stderr and exit 2."""
+    """Inside a command: a `UserError`, or a file the storage refused, becomes one line
+    ``rlcli <command>: error: ...`` on stderr and exit 2."""
     try:
         yield
     except UserError as err:
         print(f"rlcli {command}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:
+        if err.errno not in REFUSED_BY_STORAGE or err.filename is None:
+            raise
+        print(f"rlcli {command}: error: {err.filename}: {err.strerror}", file=sys.stderr)
         sys.exit(2)

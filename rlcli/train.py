@@ -39,27 +39,37 @@ def _log_through_root_once() -> None:
 def train(cfg: DictConfig, run_dir: Path):
     """Train as ``cfg`` says, writing everything into ``run_dir`` (the export in
     ``run_dir/export``); returns the trained `PolicyModule`."""
+    from contextlib import nullcontext
+
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from rlcli.conf.validate import resolve_config, validate_config
+    from rlcli.run_lock import RunLock
+
+    resolved, cfg = resolve_config(cfg), validate_config(cfg)
+    with RunLock(run_dir) if rank_zero_only.rank == 0 else nullcontext():
+        return _train_locked(cfg, resolved, run_dir)
+
+
+def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     import lightning as L
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from rlcli.build import build_training
-    from rlcli.callbacks.checkpoint import find_resume_checkpoint
-    from rlcli.conf.validate import resolve_config, validate_config
+    from rlcli.callbacks.resume import resume_point
     from rlcli.loggers import finish_loggers
     from rlcli.training.export import export_policy
 
-    resolved, cfg = resolve_config(cfg), validate_config(cfg)
+    resume = resume_point(cfg.resume, run_dir, OmegaConf.to_container(resolved), cfg.trainer.max_steps)
     _log_through_root_once()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if rank_zero_only.rank == 0:
         OmegaConf.save(resolved, run_dir / "config.yaml")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, trainer = build_training(cfg, resolved, run_dir)
-    checkpoint = find_resume_checkpoint(cfg.resume, run_dir)
-    if checkpoint is not None and trainer.is_global_zero:
-        log.info("resuming from %s", checkpoint)
+    module, trainer = build_training(cfg, resolved, run_dir, resume.run)
+    if resume.path is not None and trainer.is_global_zero:
+        log.info("resuming from %s (run %s)", resume.path, resume.run.id)
     try:
-        trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=checkpoint, weights_only=True)
+        trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
         if module.preempted:
             if trainer.is_global_zero:
                 log.warning("stopped by a signal after step %d; checkpoint saved, continue with resume=auto",

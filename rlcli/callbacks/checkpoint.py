@@ -1,21 +1,21 @@
-"""Atomic checkpoints every N steps and at the end of training, and finding one to resume from.
+"""Atomic checkpoints every N steps and at the end of training, each stamped with the run's identity.
 
-A checkpoint is written as ``step-<N>.ckpt.tmp`` and renamed to ``step-<N>.ckpt`` only once it is
-complete (``N`` counts training steps), so a process killed during a save leaves the previous
-checkpoints usable and a half-written file is never picked up. ``last.ckpt`` is the final one.
+A checkpoint is written as ``step-<N>.ckpt.tmp`` beside its final name and renamed to
+``step-<N>.ckpt`` only once it is complete and fsynced (``N`` counts training steps), so a process
+killed during a save leaves the previous checkpoints usable and a half-written file is never picked
+up. ``last.ckpt`` is the final one. `rlcli.callbacks.resume` chooses the one to continue from.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import lightning as L
 
-from rlcli.errors import UserError
-
-STEP_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")
+from rlcli.callbacks.checkpoint_io import StorageError, storage_error
+from rlcli.callbacks.resume import RunIdentity
+from rlcli.training import distributed
 
 
 def _fsync(path: Path) -> None:
@@ -28,24 +28,35 @@ def _fsync(path: Path) -> None:
 
 def save_atomically(trainer: L.Trainer, path: Path) -> None:
     """Write a checkpoint to ``path`` so that it either exists complete or not at all, and tell the
-    module once it is durable (on disk, renamed, on every rank)."""
+    module once it is durable (on disk, renamed, on every rank). A storage failure raises
+    `StorageError` on every rank and leaves the previous checkpoints as they were."""
     partial = path.with_name(path.name + ".tmp")
-    trainer.save_checkpoint(partial)  # every rank takes part; rank 0 writes
+    trainer.save_checkpoint(partial)  # every rank takes part; rank 0 writes (RunDirCheckpointIO)
+    failure = None
     if trainer.is_global_zero:
-        _fsync(partial)
-        os.replace(partial, path)
-        _fsync(path.parent)
-    trainer.strategy.barrier("rlcli-checkpoint-durable")
+        failure = trainer.strategy.checkpoint_io.take_failure()
+        if failure is None:
+            try:
+                _fsync(partial)
+                os.replace(partial, path)
+                _fsync(path.parent)
+            except OSError as err:
+                partial.unlink(missing_ok=True)
+                failure = storage_error(path, err)
+    message = distributed.all_gather_objects(None if failure is None else str(failure))[0]  # also the barrier
+    if message is not None:
+        raise StorageError(message)
     trainer.lightning_module.checkpoint_durable()
 
 
 class StepCheckpoint(L.Callback):
     """``step-<N>.ckpt`` every ``every`` steps (0: never) and ``step-<N>.ckpt`` + ``last.ckpt``
-    at the end of training."""
+    at the end of training; each holds ``run``, the identity `resume` checks."""
 
-    def __init__(self, dirpath: Path, every: int) -> None:
+    def __init__(self, dirpath: Path, every: int, run: RunIdentity) -> None:
         self.dirpath = Path(dirpath)
         self.every = every
+        self.run = run
         self._saved_step = -1
 
     def save_now(self, trainer) -> None:
@@ -66,20 +77,5 @@ class StepCheckpoint(L.Callback):
         self._save_step(trainer)
         save_atomically(trainer, self.dirpath / "last.ckpt")
 
-
-def find_resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
-    """``resume=auto``: the newest complete ``step-<N>.ckpt`` of the run directory (None if there
-    is none yet); ``resume=PATH``: that file; ``null``: no resume."""
-    if resume is None:
-        return None
-    if resume != "auto":
-        path = Path(resume).expanduser()
-        if not path.is_file():
-            raise UserError(f"resume: no checkpoint file at {path}")
-        return path
-    steps = [
-        (int(match.group(1)), path)
-        for path in (run_dir / "checkpoints").glob("step-*.ckpt")
-        if (match := STEP_CHECKPOINT.fullmatch(path.name))
-    ]
-    return max(steps)[1] if steps else None
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint["run"] = self.run.state_dict()

@@ -1,0 +1,79 @@
+"""Writing a checkpoint file into the run directory itself, and storage failures as one clear message.
+
+Lightning's own checkpoint IO serialises into memory and stages the file in ``$TMPDIR``: a kill
+there leaves a full-size copy behind, and the checkpoint needs space in two places. Here the
+checkpoint goes straight to the path it is given (`save_atomically`'s ``.tmp`` beside the final
+name). A failure does not raise inside Lightning's save, where the other ranks are about to wait
+at a barrier: it is kept for `take_failure`, which `save_atomically` reports on every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from rlcli.errors import UserError
+
+
+class StorageError(UserError):
+    """The run cannot write a file: a full disk, a quota, a read-only or unwritable directory."""
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the file does not fit
+
+
+def storage_error(path: str | Path, err: OSError, needed: int | None = None) -> StorageError:
+    """One line naming the file and what the system said, e.g. ``cannot write X: No space left on device``;
+    with ``needed`` (bytes), a full disk also says how much the file needs and how much is free."""
+    reason = err.strerror or str(err)
+    if needed is not None and err.errno in FULL:
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+            reason += f" (it needs about {_mib(needed)}; {_mib(free)} free there)"
+        except OSError:
+            reason += f" (it needs about {_mib(needed)})"
+    return StorageError(f"cannot write {path}: {reason}")
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a (nested) checkpoint: the size of the file, give or take its metadata."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+class RunDirCheckpointIO(TorchCheckpointIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self._failure: StorageError | None = None
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        needed = _tensor_bytes(checkpoint)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if needed > shutil.disk_usage(path.parent).free:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            with path.open("wb") as handle:  # a file object: a failed write raises OSError, with its errno
+                torch.save(checkpoint, handle)
+        except OSError as err:
+            path.unlink(missing_ok=True)
+            self._failure = storage_error(path, err, needed)
+
+    def take_failure(self) -> StorageError | None:
+        """The failure of the last save on this process, if any (and forget it)."""
+        failure, self._failure = self._failure, None
+        return failure
