@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,5 +120,6 @@ def test_saved_rollouts_are_cut_back_on_resume_and_started_anew_by_a_fresh_run(t
     train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
     assert (run / "rollouts.jsonl").read_text() == straight  # steps 3 and 4 written once, not twice
 
+    shutil.rmtree(run / "checkpoints")  # a fresh run refuses a directory that holds checkpoints
     train(compose_train_config(common), run)  # a fresh run in the same directory
     assert (run / "rollouts.jsonl").read_text() == straight

@@ -51,6 +51,36 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+class _WholeWrites:
+    """A file for `torch.save` that keeps the first `OSError` of its writes in ``error``: torch's writer
+    swallows what its file raises (and later fails on a wrong position), and a buffered file may write
+    part of a block at a size limit and return as if all went well."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            while view and self.error is None:
+                view = view[os.write(self.fd, view):]
+        except OSError as err:
+            self.error = err
+        if self.error is not None:
+            raise self.error
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def __enter__(self) -> _WholeWrites:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
 def _mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
 
@@ -67,8 +97,14 @@ class RunDirCheckpointIO(TorchCheckpointIO):
             path.parent.mkdir(parents=True, exist_ok=True)
             if needed > shutil.disk_usage(path.parent).free:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            with path.open("wb") as handle:  # a file object: a failed write raises OSError, with its errno
-                torch.save(checkpoint, handle)
+            with _WholeWrites(path) as handle:
+                try:
+                    torch.save(checkpoint, handle)
+                except RuntimeError:
+                    if handle.error is None:
+                        raise
+                if handle.error is not None:
+                    raise handle.error
         except OSError as err:
             path.unlink(missing_ok=True)
             self._failure = storage_error(path, err, needed)
