@@ -12,6 +12,7 @@ from typing import Any
 
 from rlcli.data.errors import DataError, RecordError, format_problem
 from rlcli.data.schema import Rollout, validate_record
+from rlcli.loggers.atomic import replace_text
 
 __all__ = [
     "DataError",
@@ -260,29 +261,31 @@ def _rejections_message(rejections: Sequence[Rejection], num_valid: int) -> str:
 
 
 def write_rejections(rejections: Sequence[Rejection], path: str | Path, *, append: bool = False) -> None:
-    """Write (or ``append``) one JSON line per rejection: ``source``, ``field``, ``reason`` and the raw ``record``.
+    """Write (replacing the file atomically) or ``append`` one JSON line per rejection: ``source``, ``field``,
+    ``reason`` and the raw ``record``.
 
     Records may hold NaN or Infinity (written as JSON's ``NaN``/``Infinity``, which ``json.loads``
     reads back) and, from Parquet, values JSON cannot hold (written as strings). A record nested
     too deeply to write is replaced by a note saying so; its line still names source and reason.
     """
+    lines = []
+    for rejection in rejections:
+        # Not dataclasses.asdict: it deep-copies the record, recursing once per nesting level.
+        entry = {"source": rejection.source, "field": rejection.field, "reason": rejection.reason,
+                 "record": rejection.record}
+        try:
+            line = json.dumps(entry, allow_nan=True, default=str)
+        except (RecursionError, ValueError) as err:
+            entry["record"] = f"<record not written: {type(err).__name__}: {err}>"
+            line = json.dumps(entry, allow_nan=True, default=str)
+        lines.append(line + "\n")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a" if append else "w", encoding="utf-8") as handle:
-        for rejection in rejections:
-            # Not dataclasses.asdict: it deep-copies the record, recursing once per nesting level.
-            entry = {
-                "source": rejection.source,
-                "field": rejection.field,
-                "reason": rejection.reason,
-                "record": rejection.record,
-            }
-            try:
-                line = json.dumps(entry, allow_nan=True, default=str)
-            except (RecursionError, ValueError) as err:
-                entry["record"] = f"<record not written: {type(err).__name__}: {err}>"
-                line = json.dumps(entry, allow_nan=True, default=str)
-            handle.write(line + "\n")
+    if append:
+        with path.open("a", encoding="utf-8") as handle:
+            handle.write("".join(lines))
+    else:
+        replace_text(path, "".join(lines))
 
 
 def sampled_at_other_temperature(rollout: Rollout, temperature: float) -> bool:

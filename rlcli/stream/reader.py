@@ -12,8 +12,11 @@ and keeps the books that make training exactly-once across crashes:
   reads the rest of its pending entries again, in stream order, before any new one.
 
 Rejected records (SPEC §7 rules, or no ``id``/``policy_version``/advantages) and stale ones (sampled
-more than ``max_lag`` versions before the trainer's) are written to ``rejected.jsonl`` and to the
-``<stream>:rejected`` stream with their reason; nothing is dropped silently.
+more than ``max_lag`` versions before the trainer's) are written to this process's rejections file
+(``rejected.jsonl``) and to the ``<stream>:rejected`` stream with their reason; nothing is dropped
+silently. A record rejected after the checkpoint a run resumes from is read and judged again, so
+before its first read a reader cuts its file back to the checkpoint's count of lines (to none when
+starting afresh) and deletes its own ``<stream>:rejected`` entries of records still pending.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.data.writers import to_record
+from rlcli.loggers.atomic import replace_text
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import unread
 from rlcli.stream.records import decode, encode, rejected_key
@@ -75,6 +79,8 @@ class StreamReader:
         self.seen: set[str] = set()  # entry IDs read and not yet acknowledged
         self.resolved: list[str] = []  # entry IDs done with (trained, rejected or dropped), not yet acknowledged
         self.stale_dropped = 0  # records dropped for staleness, in all
+        self.rejections = 0  # lines in rejected_path (a resumed reader starts from its checkpoint's count)
+        self._started = False  # the rejections of unacknowledged entries are cleared before the first read
         self.wait_time = 0.0  # seconds blocked on an empty stream since `take_wait_time`
         self.interrupted = False  # a signal stops the run: wait no more
         self._count = 0  # documents read: their index
@@ -114,12 +120,14 @@ class StreamReader:
         self.resolved += [self.entry_of.pop(doc.index) for doc in documents]
 
     def state_dict(self) -> dict:
-        return {"version": self.version, "resolved": list(self.resolved), "stale_dropped": self.stale_dropped}
+        return {"version": self.version, "resolved": list(self.resolved), "stale_dropped": self.stale_dropped,
+                "rejections": self.rejections}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after a checkpoint: its resolved entries were trained, so they are acknowledged; every
         other pending entry of this consumer is read again."""
         self.version, self.stale_dropped = state["version"], state["stale_dropped"]
+        self.rejections = state["rejections"]
         self.resolved = []
         self.acknowledge(state["resolved"])
 
@@ -189,9 +197,37 @@ class StreamReader:
             if waited:
                 self.wait_time += time.monotonic() - started
 
+    def _forget_rejections_to_repeat(self) -> None:
+        """Undo the rejections that will be made again: the lines after the checkpoint's count in
+        ``rejected_path``, and this consumer's ``<stream>:rejected`` entries of records still pending."""
+        if self.rejections:
+            kept = self.rejected_path.read_text(encoding="utf-8").splitlines(keepends=True)[: self.rejections]
+            replace_text(self.rejected_path, "".join(kept))
+        else:
+            self.rejected_path.unlink(missing_ok=True)
+        o = self.options
+        pending = {p["message_id"] for p in self.conn.call("xpending_range", o.stream, o.group, min="-", max="+",
+                                                           count=2**31 - 1, consumername=self.consumer)}
+
+        def to_repeat(fields) -> bool:
+            try:
+                reject = decode(fields)
+            except ValueError:  # not an entry of ours
+                return False
+            mine = isinstance(reject, dict) and reject.get("consumer") == self.consumer
+            return mine and reject.get("entry") in pending
+
+        rejected = rejected_key(o.stream)
+        repeated = [rejection for rejection, fields in self.conn.call("xrange", rejected) if to_repeat(fields)]
+        if repeated:
+            self.conn.call("xdel", rejected, *repeated)
+
     def _fetch(self, block: bool) -> bool:
         """Read entries into ``fetched``: this consumer's pending ones first (after a start or a reconnect,
         when a reply may have been lost), then new ones. False when there was nothing to read."""
+        if not self._started:
+            self._forget_rejections_to_repeat()
+            self._started = True
         if self.conn.reconnects != self._reconnects:
             self._reconnects, self._backlog = self.conn.reconnects, "0"
         o = self.options
@@ -251,7 +287,8 @@ class StreamReader:
 
     def _reject(self, entry: str, rejection: Rejection) -> None:
         write_rejections([rejection], self.rejected_path, append=True)
-        reject = {"entry": entry, "field": rejection.field, "reason": rejection.reason}
+        self.rejections += 1
+        reject = {"entry": entry, "consumer": self.consumer, "field": rejection.field, "reason": rejection.reason}
         self.conn.call("xadd", rejected_key(self.options.stream),
                        encode({**reject, "record": json.dumps(rejection.record, default=str)}))
         log.warning("stream: rejected %s", rejection)

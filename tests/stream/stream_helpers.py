@@ -72,6 +72,14 @@ def records(prefix: str, count: int) -> list[dict]:
     ]
 
 
+def spoil(batch: list[dict], every: int = 10) -> list[str]:
+    """Make every ``every``-th record of ``batch`` invalid in place (a token id outside the vocabulary);
+    their ids, which the trainer must reject exactly once."""
+    for record in batch[every - 1::every]:
+        record["completion_ids"] = [VOCAB + 1] * len(record["completion_ids"])
+    return [r["id"] for r in batch[every - 1::every]]
+
+
 def push(url: str, batch: list[dict]) -> list[str]:
     """Push ``batch`` into the stream; the ids pushed."""
     with StreamWriter(url, STREAM) as writer:
@@ -179,12 +187,23 @@ def stream_length(url: str) -> int:
         conn.close()
 
 
-def assert_stream_drained(url: str) -> None:
-    """Nothing pending in the trainer's group and every acknowledged entry trimmed from the stream."""
+def assert_stream_drained(url: str, rejected: list[str] = ()) -> None:
+    """Nothing pending in the trainer's group, every acknowledged entry trimmed from the stream, and the
+    ids ``rejected`` in ``<stream>:rejected`` once each (and nothing else)."""
     conn = client(url)
     try:
         assert conn.xpending(STREAM, GROUP)["pending"] == 0, conn.xpending(STREAM, GROUP)
         assert conn.xlen(STREAM) == 0
-        assert conn.xlen(f"{STREAM}:rejected") == 0  # nothing was rejected or dropped as stale
+        in_redis = [json.loads(json.loads(fields["record"])["record"])["id"]
+                    for _, fields in conn.xrange(f"{STREAM}:rejected")]
+        assert sorted(in_redis) == sorted(rejected), Counter(in_redis)
     finally:
         conn.close()
+
+
+def assert_rejected_exactly_once(run_dir: Path, rejected: list[str]) -> None:
+    """The run's rejection files (``rejected.jsonl``, or one per process) list each id of ``rejected`` once."""
+    lines = [json.loads(line) for path in sorted(run_dir.glob("rejected*.jsonl"))
+             for line in path.read_text().splitlines()]
+    ids = [line["record"]["id"] for line in lines]
+    assert sorted(ids) == sorted(rejected), Counter(ids)

@@ -24,12 +24,14 @@ from stream_helpers import (
     FAST,
     STREAM,
     Trainer,
+    assert_rejected_exactly_once,
     assert_stream_drained,
     assert_trained_exactly_once,
     checkpoint_steps,
     fault_overrides,
     push,
     records,
+    spoil,
     stream_length,
     subprocess_env,
     trained_steps,
@@ -65,27 +67,30 @@ def resume_until_drained(tmp_path: Path, url: str, extra: list[str]) -> str:
     return final.output
 
 
-def kill_and_resume(tmp_path: Path, url: str, seed: int, kills: int, extra: list[str]) -> list[str]:
+def kill_and_resume(tmp_path: Path, url: str, seed: int, kills: int, extra: list[str]) -> tuple[list[str], list[str]]:
     """Push, train, kill -9 ``kills`` times (pushing more after each kill), then let a resumed run drain
-    the stream; the ids pushed."""
+    the stream; the ids of the valid records pushed, and of the invalid ones among them."""
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    pushed = push(url, records("first", 120))
+    first = records("first", 120)
+    invalid = spoil(first)
+    pushed = push(url, first)
     for kill in range(kills):
         with Trainer(stream_args(url, *extra), tmp_path, f"killed-{kill}") as trainer:
             kill_at_random(trainer, run_dir, rng)
         assert stream_length(url) > 0  # killed before the stream was drained
         pushed += push(url, records(f"after-kill-{kill}", 20))
     resume_until_drained(tmp_path, url, extra)
-    return pushed
+    return [i for i in pushed if i not in invalid], invalid
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed, kills", [(1, 1), (2, 2)])
 def test_trainer_killed_at_random_trains_every_record_exactly_once(tmp_path, redis_url, seed, kills):
-    pushed = kill_and_resume(tmp_path, redis_url, seed, kills, [])
+    pushed, invalid = kill_and_resume(tmp_path, redis_url, seed, kills, [])
     assert_trained_exactly_once(tmp_path / "run", pushed)
-    assert_stream_drained(redis_url)
+    assert_rejected_exactly_once(tmp_path / "run", invalid)
+    assert_stream_drained(redis_url, rejected=invalid)
 
 
 @pytest.mark.slow
@@ -95,23 +100,27 @@ def test_trainer_killed_around_a_checkpoint_trains_every_record_exactly_once(tmp
                                                                              resumed_from):
     """The moments a random kill seldom hits: in the middle of a save (written, not yet renamed), and
     between a durable checkpoint and the acknowledgement of the records it trained."""
-    pushed = push(redis_url, records("first", 40))
+    first = records("first", 40)
+    invalid = spoil(first)  # first-9 is read in step 3: its rejection is made again after a resume from step 2
+    pushed = push(redis_url, first)
     args = stream_args(redis_url, *fault_overrides(fault, step=3))
     with Trainer(args, tmp_path, "killed", faults=True) as killed:
         assert killed.wait() == 137, killed.tail()
     pushed += push(redis_url, records("after-kill", 20))
     output = resume_until_drained(tmp_path, redis_url, [])
     assert re.search(rf"resuming from \S*/run/checkpoints/step-{resumed_from}\.ckpt", output), output[-3000:]
-    assert_trained_exactly_once(tmp_path / "run", pushed)
-    assert_stream_drained(redis_url)
+    assert_trained_exactly_once(tmp_path / "run", [i for i in pushed if i not in invalid])
+    assert_rejected_exactly_once(tmp_path / "run", invalid)
+    assert_stream_drained(redis_url, rejected=invalid)
 
 
 @pytest.mark.slow
 def test_two_process_trainer_killed_trains_every_record_exactly_once(tmp_path, redis_url):
-    pushed = kill_and_resume(tmp_path, redis_url, 3, 1, DDP)
+    pushed, invalid = kill_and_resume(tmp_path, redis_url, 3, 1, DDP)
     steps = assert_trained_exactly_once(tmp_path / "run", pushed)
     assert max(len(ids) for _, ids in steps) > 4  # both processes trained: more than one micro-batch per step
-    assert_stream_drained(redis_url)
+    assert_rejected_exactly_once(tmp_path / "run", invalid)
+    assert_stream_drained(redis_url, rejected=invalid)
 
 
 # A sampler as its own process: it pushes the records it reads from stdin once asked to, says so, and

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from rlcli.data.document_stream import DocumentStream
 from rlcli.data.errors import DataError
@@ -57,7 +58,8 @@ class RolloutFiles(DataKind):
         )
         if rejections:
             path = self.run_dir / "rejected.jsonl"
-            write_rejections(rejections, path)
+            if rank_zero_only.rank == 0:  # every process reads every file: one writes what they all found
+                write_rejections(rejections, path)
             log.warning("data: %d invalid records skipped (data.on_invalid=skip), listed in %s", len(rejections), path)
         mismatches = check_temperature(
             rollouts, cfg.loss.temperature, allow_mismatch=cfg.data.allow_temperature_mismatch

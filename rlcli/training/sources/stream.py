@@ -105,7 +105,8 @@ class StreamRollouts(DataKind):
         )
 
         def make_source(rank: int, world_size: int) -> StreamSource:
-            reader = StreamReader(connect(data.url), options, f"rank{rank}", self.run_dir / "rejected.jsonl")
+            rejected = "rejected.jsonl" if world_size == 1 else f"rejected.rank{rank}.jsonl"
+            reader = StreamReader(connect(data.url), options, f"rank{rank}", self.run_dir / rejected)
             return StreamSource(reader, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
                                 docs_per_step=cfg.trainer.docs_per_step,
                                 exact=cfg.trainer.docs_per_step_mode == "exact")
