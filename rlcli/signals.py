@@ -32,7 +32,6 @@ log = logging.getLogger("rlcli")
 # the exit code of a run a signal stopped: 128 + the signal's number, what shells and schedulers expect;
 # SIGUSR1, Slurm's warning before a time limit, stops a run as SIGTERM does
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, signal.SIGINT: 130}
-PREEMPTED_EXIT_CODE = EXIT_CODES[signal.SIGTERM]
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 
 

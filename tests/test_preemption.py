@@ -4,8 +4,10 @@ way the run exits with the signal's code, no process of it is left, and nothing 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 from fault_injection import FAULTS_ENV, callbacks_override
 
-from rlcli.signals import EXIT_CODES, PREEMPTED_EXIT_CODE, TRAINING, RunSignals
+from rlcli.signals import EXIT_CODES, TRAINING, RunSignals
 from train_helpers import alive, descendants
 
 TWO_PROCESSES = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
@@ -60,14 +62,26 @@ class Run:
     def finish(self) -> str:
         """Wait for the end (a hang fails); the run's output, checked for tracebacks and leftover processes."""
         self.seen |= descendants(self.process.pid)
-        try:
-            self.process.wait(timeout=120)
-        finally:
-            self.process.kill()
+        self.process.wait(timeout=120)
         text = self.text()
         assert "Traceback" not in text, text[-3000:]
         assert not [pid for pid in self.seen if alive(pid)]
         return text
+
+
+@pytest.fixture
+def start(tmp_path):
+    """``start(ARGS)``: a `Run` in ``tmp_path``; whatever is left of its process group is killed at the end."""
+    runs: list[Run] = []
+
+    def run(args: list[str]) -> Run:
+        runs.append(Run(args, tmp_path))
+        return runs[-1]
+
+    yield run
+    for started in runs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started.process.pid, signal.SIGKILL)
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -96,10 +110,10 @@ def trained_steps(run_dir: Path, count: int):
     (signal.SIGUSR1, 2, "rank 1"),  # the rank that did not get it learns it at the step's end
     (signal.SIGINT, 2, "terminal, twice"),  # Ctrl-C twice: to the whole process group, the second mid-stop
 ])
-def test_a_signal_in_training_stops_every_process_saves_and_resumes(tmp_path, signum, processes, to):
+def test_a_signal_in_training_stops_every_process_saves_and_resumes(start, tmp_path, signum, processes, to):
     args = RUN + ["trainer.max_steps=1000"] + (TWO_PROCESSES if processes == 2 else [])
     late = callbacks_override("EndsLate", rank=1, seconds=5) if processes == 2 else []
-    run = Run(args + late, tmp_path)  # rank 0 exits after rank 1, however late rank 1 ends
+    run = start(args + late)  # rank 0 exits after rank 1, however late rank 1 ends
     run.wait_until(trained_steps(tmp_path / "run", 2))
     if to == "rank 0":
         run.process.send_signal(signum)
@@ -110,15 +124,15 @@ def test_a_signal_in_training_stops_every_process_saves_and_resumes(tmp_path, si
         time.sleep(0.2)
         os.killpg(run.process.pid, signum)
     output = run.finish()
-    assert run.process.returncode == EXIT_CODES[signum] == (130 if signum == signal.SIGINT else PREEMPTED_EXIT_CODE)
+    assert run.process.returncode == (130 if signum == signal.SIGINT else 143)
     stopped_at = steps(tmp_path / "run")[-1]
     assert f"stopped by a signal after step {stopped_at}; checkpoint saved" in output
     assert (tmp_path / "run" / "checkpoints" / f"step-{stopped_at}.ckpt").is_file()
     assert not (tmp_path / "run" / "export").exists() and "export (Hugging Face)" not in output  # not exported
     assert (tmp_path / "run" / "ended-1").exists() == (processes == 2)
 
-    resumed = Run([*RUN, f"trainer.max_steps={stopped_at + 2}", "resume=auto"]
-                  + (TWO_PROCESSES if processes == 2 else []), tmp_path)
+    resumed = start([*RUN, f"trainer.max_steps={stopped_at + 2}", "resume=auto"]
+                    + (TWO_PROCESSES if processes == 2 else []))
     resumed.finish()
     assert resumed.process.returncode == 0
     assert steps(tmp_path / "run") == list(range(1, stopped_at + 3))
@@ -127,25 +141,25 @@ def test_a_signal_in_training_stops_every_process_saves_and_resumes(tmp_path, si
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
 @pytest.mark.parametrize("signum, to", [(signal.SIGTERM, "rank 0"), (signal.SIGINT, "rank 1")])
-def test_a_signal_during_start_up_ends_every_process_at_once(tmp_path, signum, to):
+def test_a_signal_during_start_up_ends_every_process_at_once(start, tmp_path, signum, to):
     """Rank 0 waits for rank 1 to connect (blocked in C); rank 1 has just started and holds the signal
     until it can pass it on to rank 0. Nothing to save."""
-    run = Run([*RUN, "trainer.max_steps=1000", *TWO_PROCESSES], tmp_path)
+    run = start([*RUN, "trainer.max_steps=1000", *TWO_PROCESSES])
     rank_one = run.rank_one(holding=True)
     os.kill(run.process.pid if to == "rank 0" else rank_one, signum)
     output = run.finish()
-    assert run.process.returncode == EXIT_CODES[signum]
+    assert run.process.returncode == (130 if signum == signal.SIGINT else 143)
     assert f"{signal.Signals(signum).name} during start-up: nothing to save yet" in output
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
-def test_waiting_for_another_node_says_so_and_ctrl_c_ends_it(tmp_path):
-    run = Run([*RUN, "trainer.num_nodes=2", "trainer.accelerator=cpu", "strategy=ddp"], tmp_path)
-    waiting = "waiting for the 1 other process(es) of this run to connect at 127.0.0.1:"
-    run.wait_until(lambda: waiting in run.text(), timeout=120)
-    assert "(trainer.num_nodes=2 x trainer.devices=1; this is process 0), 20 s so far" in run.text()
+def test_waiting_for_another_node_says_so_and_ctrl_c_ends_it(start):
+    run = start([*RUN, "trainer.num_nodes=2", "trainer.accelerator=cpu", "strategy=ddp"])
+    waiting = re.compile(r"waiting for the 1 other process\(es\) of this run to connect at 127\.0\.0\.1:\d+ "
+                         r"\(trainer\.num_nodes=2 x trainer\.devices=1; this is process 0\), \d+ s so far")
+    run.wait_until(lambda: waiting.search(run.text()), timeout=120)
     os.killpg(run.process.pid, signal.SIGINT)
     run.finish()
     assert run.process.returncode == 130
