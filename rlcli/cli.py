@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 
@@ -22,20 +23,14 @@ commands:
 """
 
 
-RELAUNCH_COMMAND = "RLCLI_RELAUNCH_COMMAND"
-
-
-def _hydra_app(name: str, args: list[str], *, relaunched: bool = False) -> int:
+def _hydra_app(name: str, args: list[str]) -> int:
     """Run the Hydra app of `rlcli.<name>` with ``args`` as its overrides; a composition error (Hydra's
     exit 1 before the app's task runs: an unknown group option or key) exits 2 like every other
-    config error. ``relaunched``: Lightning starts the extra processes of a multi-process run by
-    re-running this program with the overrides alone, and `RELAUNCH_COMMAND` tells them the command."""
+    config error."""
     import importlib
 
     app = importlib.import_module(f"rlcli.{name}")
     sys.argv = [sys.argv[0], *args]
-    if relaunched:
-        os.environ[RELAUNCH_COMMAND] = name
     # the local config folder on Hydra's search path (rlcli_local/) is optional
     warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises what fails before the task, for us to report
@@ -50,8 +45,6 @@ def _hydra_app(name: str, args: list[str], *, relaunched: bool = False) -> int:
             raise
         print(f"rlcli {name}: error: {_before_task(err)}", file=sys.stderr)
         return 2
-    finally:
-        os.environ.pop(RELAUNCH_COMMAND, None)
     return 0
 
 
@@ -64,8 +57,20 @@ def _before_task(err: Exception) -> str:
     return f"{err}\n{cause}" if cause is not None and str(cause) not in str(err) else str(err)
 
 
-def _train(args: list[str]) -> int:
-    return _hydra_app("train", args, relaunched=True)
+def _train(args: list[str], *, relaunched: bool = False) -> int:
+    """`rlcli train`. Lightning starts the other local processes of a multi-process run by re-running this
+    program with the overrides alone (``relaunched``); `LAUNCHER_PID` tells them so, and they die with rank 0."""
+    from rlcli.processes import LAUNCHER_PID, die_with_parent, launcher
+    from rlcli.signals import hold
+
+    hold()  # the run's signals wait for `rlcli.signals.RunSignals`
+    if relaunched:
+        die_with_parent(signal.SIGKILL)
+        if launcher() is None:
+            return 1  # rank 0 ended before this process started
+    else:
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+    return _hydra_app("train", args)
 
 
 def _sample(args: list[str]) -> int:
@@ -158,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if os.environ.get(RELAUNCH_COMMAND) and "LOCAL_RANK" in os.environ and command not in COMMANDS:
-        command, rest = os.environ[RELAUNCH_COMMAND], argv  # a process Lightning started
+    from rlcli.processes import LAUNCHER_PID
+
+    if LAUNCHER_PID in os.environ and "LOCAL_RANK" in os.environ and command not in COMMANDS:
+        return _train(argv, relaunched=True)  # a process Lightning started
     if command in COMMANDS:
         return COMMANDS[command](rest)
     print(f"rlcli: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)

@@ -13,8 +13,6 @@ killed as a whole on the way out, and gets a SIGTERM if the loop itself dies.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import os
 import queue
 import signal
@@ -22,12 +20,14 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from rlcli.errors import UserError, exit_on_user_error
+from rlcli.processes import die_with_parent
 
 task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 
@@ -36,12 +36,6 @@ STOP_TIMEOUT = 60.0  # seconds the processes get to exit after a SIGTERM before 
 TRAINER = "trainer"
 COLOURS = ("green", "magenta", "yellow", "blue", "bright_green", "bright_magenta", "bright_yellow", "bright_blue")
 PLACEHOLDER_URL = "redis://127.0.0.1:6379/0"  # stands for the loop's own server while the config is checked
-
-
-def _die_with_parent() -> None:
-    """In a child, before exec: ask Linux for a SIGTERM when the loop dies (even by SIGKILL)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Signals:
@@ -66,7 +60,7 @@ class Child:
         self.process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, errors="replace", start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=partial(die_with_parent, signal.SIGTERM),  # in the child, before exec
         )
         self.reported = False  # whether the loop said that it exited
 

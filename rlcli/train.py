@@ -58,6 +58,7 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     from rlcli.build import build_training
     from rlcli.callbacks.resume import resume_point
     from rlcli.loggers import finish_loggers
+    from rlcli.processes import saying_what_it_waits_for
     from rlcli.training.export import export_policy
 
     resume = resume_point(cfg.resume, run_dir, OmegaConf.to_container(resolved), cfg.trainer.max_steps)
@@ -69,7 +70,8 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     if resume.path is not None and trainer.is_global_zero:
         log.info("resuming from %s (run %s)", resume.path, resume.run.id)
     try:
-        trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
+        with saying_what_it_waits_for(trainer):
+            trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
         if module.preempted:
             if trainer.is_global_zero:
                 log.warning("stopped by a signal after step %d; checkpoint saved, continue with resume=auto",
@@ -88,11 +90,16 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
 def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from rlcli.processes import wait_for_launched
+    from rlcli.signals import RunSignals
+
     global task_started
     task_started = True
-    with exit_on_user_error("train"):
+    with exit_on_user_error("train"), RunSignals():  # before the heavy imports: signals act from here on
         module = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    from rlcli.callbacks.preemption import PREEMPTED_EXIT_CODE
+        wait_for_launched(module.trainer)  # the processes rank 0 started end before it does
+    from rlcli.callbacks.preemption import stop_code
 
-    if module.preempted and module.global_rank == 0:
-        sys.exit(PREEMPTED_EXIT_CODE)  # other ranks exit 0, so that no launcher kills rank 0 first
+    code = stop_code(module.trainer)
+    if code and module.global_rank == 0:
+        sys.exit(code)  # other ranks exit 0, so that no launcher kills rank 0 first

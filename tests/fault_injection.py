@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -54,3 +55,16 @@ class KillDuringSave(L.Callback):
                 os._exit(137)
 
         trainer.save_checkpoint = save_then_die
+
+
+class EndsLate(L.Callback):
+    """Rank ``rank`` ends ``seconds`` late: after its last collective it sleeps, then writes
+    ``ended-<rank>`` into the run directory."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+            (Path(trainer.default_root_dir) / f"ended-{self.rank}").touch()

@@ -1,59 +1,183 @@
-"""SIGTERM / SIGUSR1: every rank stops after the same step, saves a checkpoint, and the run exits
-with the documented code; resume=auto continues from there."""
+"""Signals to `rlcli train` on 1 and 2 processes: in training every process stops after the same step,
+a checkpoint is saved and resume=auto continues from it; in start-up every process ends at once. Either
+way the run exits with the signal's code, no process of it is left, and nothing prints a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from fault_injection import FAULTS_ENV, callbacks_override
 
-from rlcli.callbacks.preemption import PREEMPTED_EXIT_CODE
+from rlcli.signals import EXIT_CODES, TRAINING, RunSignals
+from train_helpers import alive, descendants
+
+TWO_PROCESSES = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
+RUN = ["data=rollouts", "hydra.run.dir=run", "data.epochs=50", "trainer.accumulate_microbatches=1"]
 
 
-def start(args, cwd):
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "rlcli", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Run:
+    """``rlcli train ARGS`` in its own session (as a terminal runs a command), its output in a file."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.output = cwd / f"output-{len(list(cwd.glob('output-*')))}.txt"
+        env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **FAULTS_ENV)
+        with self.output.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "rlcli", "train", *args], cwd=cwd, env=env,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.seen: set[int] = set()  # the processes of the run seen (rank 0's descendants)
+
+    def text(self) -> str:
+        return self.output.read_text()
+
+    def wait_until(self, condition, timeout: float = 300, poll: float = 0.05) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not get there in time"
+            time.sleep(poll)
+        self.seen |= descendants(self.process.pid)
+
+    def rank_one(self, holding: bool) -> int:
+        """Rank 1's process id, once it blocks exactly the run's signals (``holding``: `rlcli.signals.hold`,
+        not the moment glibc blocks every signal to start a thread) or catches them: from then on it
+        handles them instead of dying of them."""
+        self.wait_until(lambda: descendants(self.process.pid))
+        (pid,) = self.seen
+        mask = sum(1 << (s - 1) for s in EXIT_CODES)
+        if holding:
+            self.wait_until(lambda: int(_status(pid).get("SigBlk", "0"), 16) == mask, poll=0.005)
+        else:
+            self.wait_until(lambda: int(_status(pid).get("SigCgt", "0"), 16) & mask == mask)
+        return pid
+
+    def finish(self) -> str:
+        """Wait for the end (a hang fails); the run's output, checked for tracebacks and leftover processes."""
+        self.seen |= descendants(self.process.pid)
+        self.process.wait(timeout=120)
+        text = self.text()
+        assert "Traceback" not in text, text[-3000:]
+        assert not [pid for pid in self.seen if alive(pid)]
+        return text
 
 
-def wait_for_rows(path, count, process, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.is_file() and len(path.read_text().splitlines()) > count:
-            return
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise AssertionError("the run did not reach the expected step")
+@pytest.fixture
+def start(tmp_path):
+    """``start(ARGS)``: a `Run` in ``tmp_path``; whatever is left of its process group is killed at the end."""
+    runs: list[Run] = []
+
+    def run(args: list[str]) -> Run:
+        runs.append(Run(args, tmp_path))
+        return runs[-1]
+
+    yield run
+    for started in runs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started.process.pid, signal.SIGKILL)
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def steps(run_dir: Path) -> list[int]:
+    with (run_dir / "metrics.csv").open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
+def trained_steps(run_dir: Path, count: int):
+    """Whether ``count`` steps are done (metrics.csv has a header and a row per step)."""
+    metrics = run_dir / "metrics.csv"
+    return lambda: metrics.is_file() and len(metrics.read_text().splitlines()) > count
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, processes", [(signal.SIGTERM, 1), (signal.SIGUSR1, 2)])
-def test_signal_stops_saves_and_resumes(tmp_path, signum, processes):
-    args = ["data=rollouts", "hydra.run.dir=run", "trainer.max_steps=1000", "data.epochs=50",
-            "trainer.accumulate_microbatches=1"]
-    if processes == 2:
-        args += ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
-    process = start(args, tmp_path)
-    wait_for_rows(tmp_path / "run" / "metrics.csv", 2, process)
-    process.send_signal(signum)  # to rank 0 only: the other rank learns it at the step boundary
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
-    assert "stopped by a signal after step" in stdout + stderr
-
-    with (tmp_path / "run" / "metrics.csv").open() as f:
-        stopped_at = int(list(csv.DictReader(f))[-1]["step"])
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+@pytest.mark.parametrize("signum, processes, to", [
+    (signal.SIGTERM, 1, "rank 0"),
+    (signal.SIGUSR1, 2, "rank 1"),  # the rank that did not get it learns it at the step's end
+    (signal.SIGINT, 2, "terminal, twice"),  # Ctrl-C twice: to the whole process group, the second mid-stop
+])
+def test_a_signal_in_training_stops_every_process_saves_and_resumes(start, tmp_path, signum, processes, to):
+    args = RUN + ["trainer.max_steps=1000"] + (TWO_PROCESSES if processes == 2 else [])
+    late = callbacks_override("EndsLate", rank=1, seconds=5) if processes == 2 else []
+    run = start(args + late)  # rank 0 exits after rank 1, however late rank 1 ends
+    run.wait_until(trained_steps(tmp_path / "run", 2))
+    if to == "rank 0":
+        run.process.send_signal(signum)
+    elif to == "rank 1":
+        os.kill(run.rank_one(holding=False), signum)
+    else:
+        os.killpg(run.process.pid, signum)
+        time.sleep(0.2)
+        os.killpg(run.process.pid, signum)
+    output = run.finish()
+    assert run.process.returncode == (130 if signum == signal.SIGINT else 143)
+    stopped_at = steps(tmp_path / "run")[-1]
+    assert f"stopped by a signal after step {stopped_at}; checkpoint saved" in output
     assert (tmp_path / "run" / "checkpoints" / f"step-{stopped_at}.ckpt").is_file()
-    assert not (tmp_path / "run" / "export").exists()  # an unfinished run is not exported
+    assert not (tmp_path / "run" / "export").exists() and "export (Hugging Face)" not in output  # not exported
+    assert (tmp_path / "run" / "ended-1").exists() == (processes == 2)
 
-    resumed = start([*[a for a in args if not a.startswith("trainer.max_steps")],
-                     f"trainer.max_steps={stopped_at + 2}", "resume=auto"], tmp_path)
-    _, stderr = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, stderr[-3000:]
-    with (tmp_path / "run" / "metrics.csv").open() as f:
-        steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == list(range(1, stopped_at + 3))
+    resumed = start([*RUN, f"trainer.max_steps={stopped_at + 2}", "resume=auto"]
+                    + (TWO_PROCESSES if processes == 2 else []))
+    resumed.finish()
+    assert resumed.process.returncode == 0
+    assert steps(tmp_path / "run") == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+@pytest.mark.parametrize("signum, to", [(signal.SIGTERM, "rank 0"), (signal.SIGINT, "rank 1")])
+def test_a_signal_during_start_up_ends_every_process_at_once(start, tmp_path, signum, to):
+    """Rank 0 waits for rank 1 to connect (blocked in C); rank 1 has just started and holds the signal
+    until it can pass it on to rank 0. Nothing to save."""
+    run = start([*RUN, "trainer.max_steps=1000", *TWO_PROCESSES])
+    rank_one = run.rank_one(holding=True)
+    os.kill(run.process.pid if to == "rank 0" else rank_one, signum)
+    output = run.finish()
+    assert run.process.returncode == (130 if signum == signal.SIGINT else 143)
+    assert f"{signal.Signals(signum).name} during start-up: nothing to save yet" in output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+def test_waiting_for_another_node_says_so_and_ctrl_c_ends_it(start):
+    run = start([*RUN, "trainer.num_nodes=2", "trainer.accelerator=cpu", "strategy=ddp"])
+    waiting = re.compile(r"waiting for the 1 other process\(es\) of this run to connect at 127\.0\.0\.1:\d+ "
+                         r"\(trainer\.num_nodes=2 x trainer\.devices=1; this is process 0\), \d+ s so far")
+    run.wait_until(lambda: waiting.search(run.text()), timeout=120)
+    os.killpg(run.process.pid, signal.SIGINT)
+    run.finish()
+    assert run.process.returncode == 130
+
+
+def test_run_signals_record_the_first_signal_and_never_raise():
+    """In training a signal interrupts the step's wait for data and sets the exit code, the first one
+    counts; SIGINT raises no KeyboardInterrupt; on exit the previous handlers are back."""
+    previous = {s: signal.getsignal(s) for s in EXIT_CODES}
+    interrupted = []
+    with RunSignals() as signals:
+        signals.phase = TRAINING
+        signals.interrupt = lambda: interrupted.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while len(interrupted) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert signals.exit_code == 130
+    assert {s: signal.getsignal(s) for s in EXIT_CODES} == previous

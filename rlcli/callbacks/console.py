@@ -89,5 +89,6 @@ class RichConsole(L.Callback):
                 best = max(values) if higher_is_better else min(values)
                 table.add_row(name, f"{values[-1]:.4f}", f"{best:.4f}")
         self.console.print(table)
-        self.console.print(f"metrics: {self.run_dir / 'metrics.csv'}\ncheckpoints: {self.run_dir / 'checkpoints'}"
-                           f"\nexport (Hugging Face): {self.run_dir / 'export'}")
+        self.console.print(f"metrics: {self.run_dir / 'metrics.csv'}\ncheckpoints: {self.run_dir / 'checkpoints'}")
+        if not pl_module.preempted:  # a run a signal stopped is not exported
+            self.console.print(f"export (Hugging Face): {self.run_dir / 'export'}")

@@ -1,45 +1,53 @@
-"""SIGTERM and SIGUSR1 (Slurm's preemption and time-limit warnings) end training cleanly: every rank
-stops after the same step, a checkpoint is saved, and `rlcli train` exits with PREEMPTED_EXIT_CODE.
-`resume=auto` then continues from that checkpoint."""
+"""A signal ends training cleanly (`rlcli.signals`): every rank stops after the same step, a checkpoint
+is saved, and `rlcli train` exits with the signal's code (`rlcli.signals.EXIT_CODES`). `resume=auto`
+then continues from that checkpoint."""
 
 from __future__ import annotations
-
-import signal
 
 import lightning as L
 import torch
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
+from rlcli.signals import FINISHING, TRAINING, RunSignals
 from rlcli.training import distributed
-
-PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what schedulers expect of a job that was asked to stop
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopOnSignal(L.Callback):
+    """After each step, the ranks agree on whether any received a signal and on the exit code (the highest
+    of theirs); if so each saves and stops."""
+
     def __init__(self, checkpoint: StepCheckpoint) -> None:
         self.checkpoint = checkpoint
-        self.received: int | None = None  # the signal this process got
-        self.preempted = False  # training stopped because some rank got a signal
-        self._previous: dict = {}
-        self._module = None
+        self.exit_code: int | None = None  # the ranks' agreed code once a signal stopped training
 
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-        self._module.source.interrupt()  # a source waiting for data ends the step now
+    @property
+    def preempted(self) -> bool:
+        """Training stopped early because a rank received a signal."""
+        return self.exit_code is not None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        # Lightning's own SIGTERM handler would stop without a checkpoint, and it runs a collective inside
+        # the handler: it is never installed, `rlcli.signals` handles every signal
+        trainer._signal_connector.register_signal_handlers = lambda: None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._module = pl_module
-        # installed after Lightning's own handlers, which would stop without a checkpoint
-        self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        if RunSignals.active is not None:
+            RunSignals.active.interrupt = pl_module.source.interrupt
+            RunSignals.active.phase = TRAINING
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        flag = torch.tensor(float(self.received is not None), device=pl_module.device)
-        if distributed.all_reduce(flag, "max").item() > 0:
-            self.preempted = True
+        received = RunSignals.active.exit_code if RunSignals.active is not None else None
+        code = distributed.all_reduce(torch.tensor(received or 0, device=pl_module.device), "max").item()
+        if code:
+            self.exit_code = int(code)
             self.checkpoint.save_now(trainer)
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        if RunSignals.active is not None:
+            RunSignals.active.phase = FINISHING
+
+
+def stop_code(trainer) -> int | None:
+    """The exit code of a run that a signal stopped (the same on every rank); None if none did."""
+    return next((c.exit_code for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)

@@ -120,7 +120,7 @@ class PolicyModule(L.LightningModule):
 
     @property
     def preempted(self) -> bool:
-        """Training stopped early because a rank received SIGTERM or SIGUSR1."""
+        """Training stopped early because a rank received a signal (`rlcli.signals`)."""
         return any(getattr(c, "preempted", False) for c in self.trainer.callbacks)
 
     @property

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from train_helpers import alive, descendants
+
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
 
 
@@ -23,31 +25,6 @@ def start_loop(args: list[str], cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "rlcli", "loop", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` in the process tree."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # exited meanwhile
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_for_rows(path: Path, rows: int, process: subprocess.Popen, timeout: float = 300) -> None:

@@ -13,6 +13,7 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
+from rlcli.signals import RunSignals
 from rlcli.stream import StreamWriter
 from rlcli.train import train
 from train_helpers import compose_train_config, rollout_record
@@ -196,7 +197,8 @@ def test_a_signal_stops_a_trainer_waiting_on_an_empty_stream_at_once(redis_url, 
     sender = threading.Thread(target=signal_once_waiting)
     started = time.monotonic()
     sender.start()
-    module = train(compose_train_config(overrides(redis_url, "data.idle_timeout=120")), tmp_path)
+    with RunSignals():  # what `rlcli train` runs in
+        module = train(compose_train_config(overrides(redis_url, "data.idle_timeout=120")), tmp_path)
     sender.join()
     assert module.preempted and module.steps_done == 1  # the next step ended empty at the signal
     assert time.monotonic() - started < 60

@@ -1,0 +1,119 @@
+"""SIGTERM, SIGUSR1 (Slurm's preemption and time-limit warnings) and SIGINT (Ctrl-C) in `rlcli train`.
+
+One mechanism in every process of a run: a signal never interrupts the code where it is (no
+KeyboardInterrupt inside a collective, no handler of Lightning's). The command holds the signals
+(`hold`) until `RunSignals` takes them for the run; its thread then learns of each at once, even
+while the main thread is blocked in C waiting for the other processes, and acts by the run's phase:
+
+- starting (model build, starting and connecting the processes): there is nothing to save, so the
+  process exits at once with the signal's code. A process that rank 0 started passes the signal on to
+  rank 0 instead, and ends with it (`rlcli.processes`).
+- training: the step in progress finishes (one waiting for data ends with what it has), then every
+  process saves and stops (`rlcli.callbacks.preemption.StopOnSignal`).
+- finishing (the final checkpoint, the export): the run finishes as it would have.
+
+A second signal changes nothing: it says that the first is being acted on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import ClassVar
+
+from rlcli.processes import launcher
+
+log = logging.getLogger("rlcli")
+
+# the exit code of a run a signal stopped: 128 + the signal's number, what shells and schedulers expect;
+# SIGUSR1, Slurm's warning before a time limit, stops a run as SIGTERM does
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, signal.SIGINT: 130}
+STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
+
+
+def hold() -> None:
+    """Block the signals of `EXIT_CODES` from here to the process's exit: one that comes before `RunSignals`
+    takes them waits for it, and one after it lets go finds the process ending (no KeyboardInterrupt)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(EXIT_CODES))
+
+
+def _ignore(signum, frame) -> None:
+    """The Python-level handler: the signal was already seen by `RunSignals`'s thread."""
+
+
+class RunSignals:
+    """The signals of one run (a context manager); ``active`` is the one in force."""
+
+    active: ClassVar[RunSignals | None] = None
+
+    def __init__(self) -> None:
+        self.phase = STARTING
+        self.exit_code: int | None = None  # that of the first signal this process received
+        self.interrupt: Callable[[], None] = lambda: None  # ends a wait for data (the step source's)
+
+    def __enter__(self) -> RunSignals:
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = {s: signal.signal(s, _ignore) for s in EXIT_CODES}
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, args=(read,), name="rlcli-signals", daemon=True)
+        self._thread.start()
+        self._previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, set(EXIT_CODES))  # held ones arrive now
+        RunSignals.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        RunSignals.active = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._previous_mask)
+        signal.set_wakeup_fd(self._previous_fd)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        os.close(self._write)  # the thread reads the end of the pipe and returns
+        self._thread.join()
+
+    def _watch(self, read: int) -> None:
+        """The thread: Python writes the number of every signal it catches into the pipe."""
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while numbers := pipe.read(64):
+                for number in numbers:
+                    if number in EXIT_CODES:
+                        self._act(signal.Signals(number))
+
+    def _act(self, signum: signal.Signals) -> None:
+        first = self.exit_code is None
+        self.exit_code = self.exit_code or EXIT_CODES[signum]
+        if self.phase == STARTING:
+            self._end_start_up(signum)
+            return
+        if self.phase == TRAINING:
+            self.interrupt()
+            message = "stopping after this step, with a checkpoint" if first else "already stopping after this step"
+        else:
+            message = "training is over; the run ends once its files are written"
+        if launcher() is None:  # rank 0 speaks for the run
+            log.warning("%s: %s", signum.name, message)
+
+    def _end_start_up(self, signum: signal.Signals) -> None:
+        """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now."""
+        rank_zero = launcher()
+        if rank_zero is not None:
+            try:
+                os.kill(rank_zero, signum)
+                return
+            except ProcessLookupError:
+                pass  # rank 0 is gone already
+        log.warning("%s during start-up: nothing to save yet; exiting with code %d", signum.name, self.exit_code)
+        _flush_output()
+        os._exit(self.exit_code)
+
+
+def _flush_output() -> None:
+    """Before `os._exit`: what this process logged and printed so far reaches its files and the console."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
