@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 
 FAULTS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
 
@@ -37,6 +38,26 @@ class NanLossAt(L.Callback):
             return output
 
         pl_module.scorer.register_forward_hook(poison)
+
+
+class NanParametersAt(L.Callback):
+    """Rank ``rank`` writes NaN into the first element it holds of every parameter (its local shards
+    under FSDP2) after the optimizer update of training step ``step``, or before training with ``step=0``."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def poison(self, pl_module) -> None:
+        if pl_module.steps_done == self.step and pl_module.global_rank == self.rank:
+            held = (p.to_local() if hasattr(p, "to_local") else p for p in pl_module.scorer.parameters())
+            with torch.no_grad():
+                for tensor in held:
+                    if tensor.numel():
+                        tensor.view(-1)[0] = math.nan
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.poison(pl_module)
+        trainer.optimizers[0].register_step_post_hook(lambda *_: self.poison(pl_module))
 
 
 class KillDuringSave(L.Callback):

@@ -1,16 +1,21 @@
 """A non-finite loss or gradient on any rank skips the update on every rank; too many in a row
-stop the run with a clear message."""
+stop the run with a clear message. An update that leaves a parameter non-finite on any rank stops the
+run on every rank, and non-finite weights are never exported or published."""
 
 from __future__ import annotations
 
 import csv
+import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file
+
+from train_helpers import rollout_record, write_jsonl
 
 
 def run(args, cwd, **env):
@@ -49,3 +54,64 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path):
     assert result.returncode == 2
     assert "training stopped at step 2: 1 steps in a row with a non-finite loss or gradient" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+PARAMETERS_NOT_FINITE = "after the optimizer update, parameters are NaN or infinite"
+
+
+@pytest.mark.slow
+def test_float16_parameters_that_an_update_makes_nan_stop_the_run_and_nothing_is_exported(tmp_path):
+    """The issue's repro: float16 parameters without mixed precision, where AdamW's eps underflows to 0
+    and the first update writes NaN; before, the skipped steps that followed ended with exit 0 and NaN
+    weights exported, however large trainer.max_bad_steps."""
+    result = run(["data=rollouts", "model.dtype=float16", "trainer.max_steps=3", "trainer.max_bad_steps=100",
+                  "trainer.checkpoint_every=1", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"rlcli train: error: training stopped at step 1: {PARAMETERS_NOT_FINITE}" in result.stderr
+    assert "model.dtype=float16" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "export").exists()
+    assert not list((tmp_path / "run").glob("checkpoints/*.ckpt"))  # the NaN weights are nowhere
+
+
+@pytest.mark.slow
+def test_parameters_made_nan_in_the_shards_of_one_fsdp2_rank_stop_every_rank_after_that_step(tmp_path):
+    common = ["data=rollouts", "trainer.devices=2", "trainer.accelerator=cpu", "strategy=fsdp2",
+              "trainer.max_steps=3", "trainer.checkpoint_every=1", "hydra.run.dir=run"]
+    result = run([*common, *callbacks_override("NanParametersAt", step=2, rank=1)], tmp_path, **FAULTS_ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    # both ranks stop at step 2 (neither trains on, nor hangs in a collective the other never reaches)
+    assert result.stderr.count(f"rlcli train: error: training stopped at step 2: {PARAMETERS_NOT_FINITE}") == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt")) == ["step-1.ckpt"]
+    assert not (tmp_path / "run" / "export").exists()
+
+
+@pytest.mark.slow
+def test_weights_that_are_not_finite_are_never_exported(tmp_path):
+    # NaN before the first step: every loss is NaN, every update skipped (2 steps of 2 documents); the run
+    # gets to its export
+    data = write_jsonl(tmp_path / "four.jsonl", [rollout_record(g) for g in range(4)])
+    result = run(["data=rollouts", f"data.paths=[{data}]", "trainer.accumulate_microbatches=1", "data.max_tokens=14",
+                  "trainer.max_bad_steps=100", "hydra.run.dir=run",
+                  *callbacks_override("NanParametersAt", step=0, rank=0)], tmp_path, **FAULTS_ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    export = tmp_path / "run" / "export"
+    assert f"rlcli train: error: not writing the policy to {export}: after step 2 its parameters hold NaN or " \
+           "infinite values" in result.stderr
+    assert "Traceback" not in result.stderr and not export.exists()
+
+
+def test_weights_that_are_not_finite_are_never_published(tmp_path):
+    import torch
+
+    from rlcli.errors import UserError
+    from rlcli.training.publish import WeightPublisher
+
+    scorer = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        scorer.bias[1] = math.inf
+    module = SimpleNamespace(scorer=scorer, device=torch.device("cpu"), steps_done=4, trainer=SimpleNamespace())
+    publisher = WeightPublisher(tmp_path, url="redis://127.0.0.1:1/0", stream="s", every=1, keep=2, model_cfg=None)
+    with pytest.raises(UserError, match=f"not writing the policy to {tmp_path / '.v4.partial'}: after step 4 its "
+                                        "parameters hold NaN or infinite values"):
+        publisher.publish(module, 4)
+    assert list(tmp_path.iterdir()) == [] and publisher.published is None

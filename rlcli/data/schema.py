@@ -10,7 +10,12 @@ from typing import Any
 
 from rlcli.data.errors import RecordError
 
-__all__ = ["RecordError", "Rollout", "validate_record"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_RANGE", "RecordError", "Rollout", "validate_record"]
+
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")  # 3.4028234663852886e+38, the largest float32
+# Log-probs and advantages become float32 tensors (`rlcli.data.packing`): a value beyond ±FLOAT32_MAX,
+# finite here in float64, would be infinite there and turn a whole step's loss into ±inf or NaN.
+FLOAT32_RANGE = f"outside the float32 range ±{FLOAT32_MAX!r} that training computes in"
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ def validate_record(
 
     Fields are checked in table order and the first broken rule raises ``RecordError``. A field
     set to ``null`` counts as absent (Parquet writes ``null`` where a row lacks a column).
+    Log-probs and advantages must be finite in float32, the dtype they are trained in; ``reward``
+    and ``temperature`` in float64, which they are used in.
     Unknown extra fields are allowed and ignored: samplers write their own bookkeeping.
     A scalar ``advantage`` is expanded to every completion token; a missing
     ``completion_mask`` means every completion token is trained on. With ``max_tokens``, a
@@ -114,9 +121,9 @@ def _parse(
     group_id = _group_id(raw)
     completion_mask = _completion_mask(raw, length)
     temperature = _optional_number(raw, "temperature")
-    ref_logprobs = None if raw.get("ref_logprobs") is None else _logprobs(raw["ref_logprobs"], "ref_logprobs", length)
     if temperature is not None and temperature <= 0:
         raise _Invalid("temperature", f"is {temperature}, must be > 0")
+    ref_logprobs = None if raw.get("ref_logprobs") is None else _logprobs(raw["ref_logprobs"], "ref_logprobs", length)
     num_tokens = len(prompt_ids) + length
     if max_tokens is not None and num_tokens > max_tokens:
         raise _Invalid(
@@ -170,7 +177,7 @@ def _numbers(value: Any, field: str, length: int) -> tuple[float, ...]:
     values = _list(value, field, "numbers")
     if len(values) != length:
         raise _Invalid(field, f"has {len(values)} values but completion_ids has {length}")
-    return tuple(_finite(v, field, f"element {i}") for i, v in enumerate(values))
+    return tuple(_float32(v, field, f"element {i}") for i, v in enumerate(values))
 
 
 def _logprobs(value: Any, field: str, length: int) -> tuple[float, ...]:
@@ -193,6 +200,13 @@ def _finite(value: Any, field: str, what: str) -> float:
     return number
 
 
+def _float32(value: Any, field: str, what: str) -> float:
+    number = _finite(value, field, what)
+    if abs(number) > FLOAT32_MAX:
+        raise _Invalid(field, f"{what} is {number!r}, {FLOAT32_RANGE}")
+    return number
+
+
 def _optional_number(raw: Mapping[str, Any], field: str) -> float | None:
     value = raw.get(field)
     return None if value is None else _finite(value, field, "value")
@@ -203,7 +217,7 @@ def _advantages(raw: Mapping[str, Any], length: int) -> tuple[float, ...] | None
     if scalar is not None and per_token is not None:
         raise _Invalid("advantage", "both 'advantage' and 'advantages' are given, give only one")
     if scalar is not None:
-        return (_finite(scalar, "advantage", "value"),) * length
+        return (_float32(scalar, "advantage", "value"),) * length
     if per_token is not None:
         return _numbers(per_token, "advantages", length)
     return None

@@ -7,9 +7,9 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 
 from rlcli.data.errors import DataError
-from rlcli.data.schema import Rollout
+from rlcli.data.schema import FLOAT32_MAX, FLOAT32_RANGE, Rollout
 
-__all__ = ["ESTIMATORS", "GROUP_ESTIMATORS", "apply_advantage_estimator", "group_advantages"]
+__all__ = ["ESTIMATORS", "GROUP_ESTIMATORS", "apply_advantage_estimator", "check_in_float32", "group_advantages"]
 
 ESTIMATORS = ("none", "grpo", "dr_grpo")
 GROUP_ESTIMATORS = tuple(name for name in ESTIMATORS if name != "none")  # computed from rewards in groups
@@ -26,7 +26,9 @@ def group_advantages(
     - ``dr_grpo``: ``r - mean_g`` (Dr. GRPO drops the division by the std).
 
     A group of one document has no baseline to compare with and gets advantage 0 in both;
-    so does a group whose rewards are all equal. Computed in float64.
+    so does a group whose rewards are all equal. Computed in float64 on the rewards scaled by a
+    power of two (see `_group`), so that any finite rewards give the grpo advantages to float64
+    precision; a dr_grpo advantage beyond the float64 range is ±inf.
     """
     if estimator not in GROUP_ESTIMATORS:
         expected = ", ".join(GROUP_ESTIMATORS)
@@ -38,13 +40,31 @@ def group_advantages(
         members[group_id].append(i)
     advantages = [0.0] * len(rewards)
     for indices in members.values():
-        values = [float(rewards[i]) for i in indices]
-        mean = math.fsum(values) / len(values)
-        std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
-        for i, value in zip(indices, values):
-            centred = value - mean
-            advantages[i] = centred / (std + eps) if estimator == "grpo" else centred
+        for i, value in zip(indices, _group([float(rewards[i]) for i in indices], estimator, eps)):
+            advantages[i] = value
     return advantages
+
+
+def _group(rewards: list[float], estimator: str, eps: float) -> list[float]:
+    """One group's advantages, for any finite rewards.
+
+    With ``s`` the power of two with ``s <= max |r| < 2s`` and ``u = r / s`` (exact, ``|u| < 2``):
+    ``mean = s·mean(u)`` and ``std = s·std(u)``, so grpo's ``(r - mean) / (std + eps)`` is
+    ``(u - mean(u)) / (std(u) + eps / s)``, whose terms are all below 4 in size (an ``eps / s``
+    beyond float64 is inf and gives 0, its limit), and dr_grpo's ``r - mean`` is ``r - s·mean(u)``.
+    Scaling by a power of two is exact: where the plain formulas neither overflow nor underflow,
+    these give the same float64 values.
+    """
+    if min(rewards) == max(rewards):
+        return [0.0] * len(rewards)
+    scale = math.ldexp(1.0, math.frexp(max(abs(r) for r in rewards))[1] - 1)
+    scaled = [r / scale for r in rewards]
+    mean = math.fsum(scaled) / len(scaled)
+    if estimator == "dr_grpo":
+        return [r - mean * scale for r in rewards]
+    centred = [u - mean for u in scaled]
+    std = math.sqrt(math.fsum(c * c for c in centred) / len(centred))
+    return [c / (std + eps / scale) for c in centred]
 
 
 def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, eps: float) -> list[Rollout]:
@@ -54,7 +74,8 @@ def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, ep
     - ``grpo``/``dr_grpo``: rollouts without advantages get their group's advantage (see
       ``group_advantages``, which takes ``eps``) from ``reward`` on every completion token; groups
       are formed over the whole dataset and only from these rollouts. Rollouts that already carry
-      advantages keep them unchanged.
+      advantages keep them unchanged. An advantage beyond the float32 range (dr_grpo on rewards that
+      far apart) is a ``DataError`` naming the rollout.
     """
     if estimator not in ESTIMATORS:
         expected = ", ".join(ESTIMATORS)
@@ -78,6 +99,20 @@ def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, ep
     rewards = [rollouts[i].reward for i in pending]
     groups = [rollouts[i].group_id for i in pending]
     result = list(rollouts)
-    for i, value in zip(pending, group_advantages(rewards, groups, estimator, eps=eps)):
+    advantages = group_advantages(rewards, groups, estimator, eps=eps)
+    check_in_float32(advantages, [rollouts[i].source for i in pending], estimator)
+    for i, value in zip(pending, advantages):
         result[i] = result[i].with_advantages((value,) * len(result[i].completion_ids))
     return result
+
+
+def check_in_float32(advantages: Sequence[float], names: Sequence[str], estimator: str) -> None:
+    """A ``DataError`` naming the first of ``names`` whose advantage is beyond the float32 range that
+    training computes in (grpo's never is; dr_grpo's ``r - mean`` can be)."""
+    for name, value in zip(names, advantages):
+        if abs(value) > FLOAT32_MAX:
+            raise DataError(
+                f"{name}: field 'reward': advantage.estimator={estimator} makes it the advantage {value!r} (reward "
+                f"minus its group's mean), {FLOAT32_RANGE}. Scale the rewards down, or use advantage.estimator=grpo "
+                "(normalised by the group's std)."
+            )

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlcli.data.schema import Rollout, validate_record
-from rlcli.rollout.advantages import GROUP_ESTIMATORS, group_advantages
+from rlcli.rollout.advantages import GROUP_ESTIMATORS, check_in_float32, group_advantages
 from rlcli.rollout.sampler import Sampler
 
 __all__ = ["OnPolicyRollouts", "step_seed"]
@@ -93,6 +93,8 @@ class OnPolicyRollouts:
         rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
         group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
         advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps)
+        sources = [f"rollout:step {step} rank {self.rank} #{i}" for i in range(len(completions))]
+        check_in_float32(advantages, sources, self.estimator)
 
         first_index = (step * self.world_size + self.rank) * self.documents_per_step
         vocab_size = self.sampler.vocab_size
@@ -107,8 +109,7 @@ class OnPolicyRollouts:
                 "group_id": group_ids[i],
                 "temperature": self.sampler.temperature,
             }
-            source = f"rollout:step {step} rank {self.rank} #{i}"
-            rollouts.append(validate_record(record, source=source, index=first_index + i, vocab_size=vocab_size))
+            rollouts.append(validate_record(record, source=sources[i], index=first_index + i, vocab_size=vocab_size))
 
         n = len(completions)
         stats = {

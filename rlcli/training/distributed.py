@@ -9,7 +9,7 @@ gradient in the parameters is exactly ∇L.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,3 +78,18 @@ def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def all_finite(tensors: Iterable[torch.Tensor], device: torch.device) -> bool:
+    """Whether every element of ``tensors`` is finite on every rank (one all-reduce).
+
+    Each rank checks what it holds (a DTensor's local shard under FSDP2, FSDP1's flat shards): one
+    fused max-abs over all the tensors (an infinity norm is the largest value itself, so it never
+    overflows) and a look at that one number.
+    """
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    local = [t.detach() for t in local if t.numel()]  # an empty shard has no infinity norm
+    finite = torch.ones((), dtype=torch.int64, device=device)
+    if local:
+        finite = torch.nn.utils.get_total_norm(local, math.inf).isfinite().to(device, torch.int64)
+    return bool(all_reduce(finite, "min"))

@@ -54,7 +54,8 @@ def warn_if_off_policy(metrics: dict, temperature: float) -> None:
 
 
 class TrainingDiverged(UserError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
+    """Too many consecutive steps with a non-finite loss or gradient, or an update that made the
+    parameters non-finite."""
 
 
 class PolicyModule(L.LightningModule):
@@ -299,7 +300,9 @@ class PolicyModule(L.LightningModule):
 
         No update for a step with nothing to train on, or whose loss or gradient is not finite on
         some rank (every rank sees the same all-reduced loss and norm, so all skip together);
-        ``max_bad_steps`` such steps in a row stop the run.
+        ``max_bad_steps`` such steps in a row stop the run. An update that leaves a parameter non-finite
+        on some rank stops the run at once on every rank: the weights are lost, and nothing after it
+        (checkpoint, published weights, export) may hold them.
         """
         if plan.totals.tokens.item() == 0:
             optimizer.zero_grad()
@@ -322,6 +325,13 @@ class PolicyModule(L.LightningModule):
         self.consecutive_bad_steps = 0
         optimizer.step()
         optimizer.zero_grad()
+        if not distributed.all_finite(self.scorer.parameters(), self.device):
+            raise TrainingDiverged(
+                f"training stopped at step {self.steps_done}: after the optimizer update, parameters are NaN or "
+                f"infinite (the loss and the gradient norm {grad_norm:.4g} were finite); nothing of this step is saved "
+                "or exported. With model.dtype=float16 this is AdamW's optimizer.eps underflowing to 0 in float16: "
+                "use model.dtype=bfloat16 or float32. Else lower optimizer.lr."
+            )
         self.lr_schedulers().step()
         return grad_norm
 

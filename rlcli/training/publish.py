@@ -4,6 +4,7 @@ announced in Redis at ``<stream>:weights`` as ``{version, path, documents_seen, 
 The version is the number of training steps done (v0: the starting weights). Rank 0 writes under a
 temporary name and renames, so a sampler never loads a half-written version; the policy is gathered
 from every shard first (a collective, so every rank calls `publish`). The newest ``keep`` are kept.
+Weights holding a NaN or an infinity are never published: `export_policy` refuses them on every rank.
 """
 
 from __future__ import annotations

@@ -110,3 +110,32 @@ def test_micro_batches_carry_ref_logprobs_at_the_label_positions(record):
     assert batch.ref_logprobs.tolist() == [0, 0, -0.25, 0, 0] + [0, 0, -1.5, -2.0, 0]
     assert batch.proximal_logprobs is None
     assert make_micro_batch(docs[:1] + [validate(record()).with_advantages([1.0, 1.0])]).ref_logprobs is None
+
+
+def test_log_probs_and_advantages_are_bounded_by_the_float32_range_they_are_trained_in(record):
+    import math
+
+    import torch
+
+    from rlcli.data.packing import make_micro_batch
+    from rlcli.data.schema import FLOAT32_MAX
+
+    assert FLOAT32_MAX == torch.finfo(torch.float32).max
+    # float64 values from halfway between FLOAT32_MAX and 2**128 on become infinite as float32 (those below
+    # it round to FLOAT32_MAX); the rule rejects everything beyond FLOAT32_MAX, the float32 range.
+    halfway = float.fromhex("0x1.ffffffp+127")
+    assert torch.tensor([FLOAT32_MAX, halfway], dtype=torch.float64).float().isinf().tolist() == [False, True]
+    above = math.nextafter(FLOAT32_MAX, math.inf)
+    # The largest accepted values stay finite in the micro-batch's float32 tensors.
+    edge = validate(record(old_logprobs=[-FLOAT32_MAX, -1.0], ref_logprobs=[-1.0, -FLOAT32_MAX],
+                           advantages=[FLOAT32_MAX, -FLOAT32_MAX]))
+    batch = make_micro_batch([edge])
+    for tensor in (batch.old_logprobs, batch.ref_logprobs, batch.advantages):
+        assert tensor.dtype == torch.float32 and tensor.isfinite().all() and tensor.abs().max() == FLOAT32_MAX
+    for field, value in [("old_logprobs", [-above, -1.0]), ("ref_logprobs", [-1.0, -above]),
+                         ("advantages", [0.0, above]), ("advantage", -above)]:
+        with pytest.raises(RecordError) as error:
+            validate(record(**{field: value}))
+        assert error.value.field == field and "outside the float32 range" in error.value.reason
+    # reward and temperature never become tensors: any finite float64 is fine.
+    assert validate(record(reward=-1e300, temperature=1e300)).reward == -1e300

@@ -1,9 +1,14 @@
 """Group advantage estimators: hand-derived values and the errors of apply_advantage_estimator."""
 
 import math
+import sys
+from decimal import Decimal, localcontext
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlcli.data.errors import DataError
 from rlcli.data.schema import Rollout
@@ -144,3 +149,89 @@ def test_apply_grpo_needs_reward_and_group(missing):
 def test_apply_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         apply_advantage_estimator([rollout("a:1", reward=1.0, group_id="g")], "rloo", eps=EPS)
+
+
+def exact_group_advantages(rewards, estimator, eps):
+    """One group's advantages from exact rationals (mean, deviations, variance) and a 60-digit square root."""
+    values = [Fraction(r) for r in rewards]
+    mean = sum(values) / len(values)
+    centred = [v - mean for v in values]
+    with localcontext() as context:
+        context.prec = 60
+        exact = [Decimal(c.numerator) / c.denominator for c in centred]
+        if estimator == "grpo":
+            variance = sum(c * c for c in centred) / len(values)
+            std = (Decimal(variance.numerator) / variance.denominator).sqrt()
+            exact = [c / (std + Decimal(eps)) for c in exact]
+        return [float(a) for a in exact], float(std) if estimator == "grpo" else None  # beyond float64: ±inf
+
+
+MAX = sys.float_info.max
+
+
+@pytest.mark.parametrize(
+    "rewards, grpo, dr_grpo",
+    [
+        # mean 0, std 1e200: (±1e200) / (1e200 + 1e-6) is ±1 in float64
+        ([1e200, -1e200], [1.0, -1.0], [1e200, -1e200]),
+        ([MAX, -MAX, MAX, -MAX], [1.0, -1.0, 1.0, -1.0], [MAX, -MAX, MAX, -MAX]),
+        # mean 0.5e308; deviations 0.5e308 (three) and -1.5e308; std sqrt(0.75)·1e308
+        ([1e308, 1e308, 1e308, -1e308], [1 / math.sqrt(3)] * 3 + [-math.sqrt(3)], [0.5e308] * 3 + [-1.5e308]),
+        # mean -MAX/3, deviations 4/3, -2/3, -2/3 MAX (4/3 MAX is beyond float64), std sqrt(8/9) MAX
+        ([MAX, -MAX, -MAX], [math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)], [math.inf] + [-2 * (MAX / 3)] * 2),
+        ([1e308] * 3, [0.0] * 3, [0.0] * 3),  # equal rewards, however large
+    ],
+)
+def test_huge_rewards_give_the_exact_advantages_without_overflow(rewards, grpo, dr_grpo):
+    groups = ["g"] * len(rewards)
+    assert group_advantages(rewards, groups, "grpo", eps=EPS) == pytest.approx(grpo, rel=1e-14)
+    assert group_advantages(rewards, groups, "dr_grpo", eps=EPS) == pytest.approx(dr_grpo, rel=1e-14)
+
+
+def test_tiny_rewards_with_a_tinier_eps_are_normalised_by_their_std():
+    # std sqrt(2/3)·1e-200 (its square underflows to 0 in float64) is far above eps
+    advantages = group_advantages([0.0, 1e-200, 2e-200], ["g"] * 3, "grpo", eps=1e-300)
+    assert advantages == pytest.approx([-1 / math.sqrt(2 / 3), 0.0, 1 / math.sqrt(2 / 3)], rel=1e-14)
+
+
+REWARDS = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([MAX, -MAX, 1e200, -1e200, 5e-324, 0.0])
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.lists(st.tuples(REWARDS, st.sampled_from("abc")), min_size=1, max_size=8),
+       st.sampled_from([1e-6, 0.5, 1e-300]))
+def test_group_advantages_equal_an_exact_reference_for_any_finite_rewards(members, eps):
+    rewards, groups = [r for r, _ in members], [g for _, g in members]
+    grpo = group_advantages(rewards, groups, "grpo", eps=eps)
+    dr_grpo = group_advantages(rewards, groups, "dr_grpo", eps=eps)
+    for group in set(groups):
+        indices = [i for i, g in enumerate(groups) if g == group]
+        values = [rewards[i] for i in indices]
+        expected, std = exact_group_advantages(values, "grpo", eps)
+        expected_dr, _ = exact_group_advantages(values, "dr_grpo", eps)
+        # Rounding the mean and the deviations costs a few ulps of the group's largest |reward| (s below): the
+        # bound on the error that follows, divided by (std + eps) for grpo.
+        scale = max(1.0, 2 * max(abs(v) for v in values))
+        tolerance = 2**-45 * scale / (std + eps)
+        for i, want, want_dr in zip(indices, expected, expected_dr):
+            # |r - mean| <= sqrt(n - 1)·std (Samuelson): grpo advantages are small, never beyond float32
+            assert abs(grpo[i]) <= math.sqrt(len(values) - 1) * (1 + 1e-12) + tolerance
+            assert grpo[i] == pytest.approx(want, rel=1e-12, abs=tolerance)
+            if math.isinf(want_dr):
+                assert dr_grpo[i] == want_dr
+            else:
+                assert dr_grpo[i] == pytest.approx(want_dr, rel=1e-12, abs=2**-50 * scale)
+
+
+def test_dr_grpo_advantage_beyond_float32_is_a_data_error_naming_the_record():
+    rollouts = [rollout("a.jsonl:1", reward=1e39, group_id="g"), rollout("a.jsonl:2", reward=-1e39, group_id="g"),
+                rollout("a.jsonl:3", reward=1e38, group_id="h"), rollout("a.jsonl:4", reward=-1e38, group_id="h")]
+    assert [r.advantages[0] for r in apply_advantage_estimator(rollouts[2:], "dr_grpo", eps=EPS)] == [1e38, -1e38]
+    with pytest.raises(DataError) as error:
+        apply_advantage_estimator(rollouts, "dr_grpo", eps=EPS)
+    assert str(error.value).startswith(
+        "a.jsonl:1: field 'reward': advantage.estimator=dr_grpo makes it the advantage 1e+39 (reward minus its "
+        "group's mean), outside the float32 range ±3.4028234663852886e+38 that training computes in."
+    )
+    # grpo normalises by the group's std: the same rewards give ±1
+    assert [r.advantages[0] for r in apply_advantage_estimator(rollouts, "grpo", eps=EPS)] == [1.0, -1.0, 1.0, -1.0]

@@ -3,7 +3,9 @@
 Nothing here calls ``rlcli.data.schema``: the rules are written again from the SPEC table (plus
 the choices the readers document: ``null`` counts as absent, extra fields are ignored, a
 ``completion_mask`` may hold booleans, ``temperature`` must be > 0, token ids must be ints,
-not floats), so that a rule the code forgets shows up as a record accepted here and there not.
+not floats, the optional ``ref_logprobs`` follow the ``old_logprobs`` rules, and log-probs and
+advantages must lie in the float32 range, the dtype they are trained in), so that a rule the code
+forgets shows up as a record accepted here and there not.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from hypothesis import strategies as st
 
 from rlcli.data.readers import MAX_JSON_DEPTH, DataError, collect_rollouts, load_rollouts, write_rejections
@@ -22,6 +25,7 @@ from rlcli.data.schema import Rollout
 
 _BLANK = re.compile(rb"[ \t\n\r\x0b\x0c]*")  # what bytes.strip() removes
 _BOM = b"\xef\xbb\xbf"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,18 @@ def _id_list(value: Any, vocab: int) -> bool:
     return type(value) is list and len(value) >= 1 and all(_is_int(t) and 0 <= t < vocab for t in value)
 
 
-def _number_list(value: Any, length: int) -> bool:
-    return type(value) is list and len(value) == length and all(_is_finite(v) for v in value)
+def _in_float32(value: Any) -> bool:
+    """A number whose float (how every number is read) lies in the float32 range: log-probs and
+    advantages are trained in float32."""
+    return _is_finite(value) and abs(float(value)) <= _FLOAT32_MAX
+
+
+def _float32_list(value: Any, length: int) -> bool:
+    return type(value) is list and len(value) == length and all(_in_float32(v) for v in value)
+
+
+def _logprob_list(value: Any, length: int) -> bool:
+    return _float32_list(value, length) and all(v <= 0 for v in value)
 
 
 def spec_problem(record: Any, vocab: int, max_tokens: int | None = None) -> str | None:
@@ -67,15 +81,14 @@ def spec_problem(record: Any, vocab: int, max_tokens: int | None = None) -> str 
         if not _id_list(get(field), vocab):
             return field
     length = len(get("completion_ids"))
-    logprobs = get("old_logprobs")
-    if not _number_list(logprobs, length) or any(v > 0 for v in logprobs):
+    if not _logprob_list(get("old_logprobs"), length):
         return "old_logprobs"
     scalar, per_token = get("advantage"), get("advantages")
     if scalar is not None and per_token is not None:
         return "advantage"
-    if scalar is not None and not _is_finite(scalar):
+    if scalar is not None and not _in_float32(scalar):
         return "advantage"
-    if per_token is not None and not _number_list(per_token, length):
+    if per_token is not None and not _float32_list(per_token, length):
         return "advantages"
     reward = get("reward")
     if reward is not None and not _is_finite(reward):
@@ -93,6 +106,9 @@ def spec_problem(record: Any, vocab: int, max_tokens: int | None = None) -> str 
     temperature = get("temperature")
     if temperature is not None and not (_is_finite(temperature) and temperature > 0):
         return "temperature"
+    ref_logprobs = get("ref_logprobs")
+    if ref_logprobs is not None and not _logprob_list(ref_logprobs, length):
+        return "ref_logprobs"
     if max_tokens is not None and len(get("prompt_ids")) + length > max_tokens:
         return "completion_ids"
     return None
@@ -166,13 +182,14 @@ def check_rollout(rollout: Rollout, vocab: int, max_tokens: int | None) -> None:
     for ids in (rollout.prompt_ids, rollout.completion_ids):
         assert type(ids) is tuple and len(ids) >= 1
         assert all(type(t) is int and 0 <= t < vocab for t in ids), ids
-    assert len(rollout.old_logprobs) == length
-    assert all(type(v) is float and math.isfinite(v) and v <= 0 for v in rollout.old_logprobs)
+    for logprobs in (rollout.old_logprobs, *([] if rollout.ref_logprobs is None else [rollout.ref_logprobs])):
+        assert len(logprobs) == length
+        assert all(type(v) is float and _in_float32(v) and v <= 0 for v in logprobs)
     if rollout.advantages is None:
         assert type(rollout.reward) is float and math.isfinite(rollout.reward)
     else:
         assert len(rollout.advantages) == length
-        assert all(type(v) is float and math.isfinite(v) for v in rollout.advantages)
+        assert all(type(v) is float and _in_float32(v) for v in rollout.advantages)
     assert rollout.reward is None or (type(rollout.reward) is float and math.isfinite(rollout.reward))
     assert rollout.group_id is None or type(rollout.group_id) in (str, int)
     assert len(rollout.completion_mask) == length and all(
@@ -190,6 +207,8 @@ def check_matches_record(rollout: Rollout, raw: dict[str, Any]) -> None:
     assert rollout.completion_ids == tuple(raw["completion_ids"])
     length = len(rollout.completion_ids)
     assert rollout.old_logprobs == tuple(float(v) for v in raw["old_logprobs"])
+    ref_logprobs = raw.get("ref_logprobs")
+    assert rollout.ref_logprobs == (None if ref_logprobs is None else tuple(float(v) for v in ref_logprobs))
     if raw.get("advantage") is not None:
         assert rollout.advantages == (float(raw["advantage"]),) * length
     elif raw.get("advantages") is not None:

@@ -35,6 +35,7 @@ FIELDS = (
     "group_id",
     "completion_mask",
     "temperature",
+    "ref_logprobs",
 )
 VOCABS = st.sampled_from([1, 2, 50, 2**31 - 1])
 MAX_TOKENS = st.one_of(st.none(), st.integers(1, 12))
@@ -44,7 +45,12 @@ ODD_PIECES = ["\u202e", "\u200f", "\u200b", "\u200d", "\ufeff", "\x00", "\u2028"
 SURROGATES = st.characters(categories=["Cs"])
 ODD_TEXT = st.lists(st.one_of(st.characters(), st.sampled_from(ODD_PIECES), SURROGATES), max_size=6).map("".join)
 HUGE_INTS = st.sampled_from([10**400, -(10**400), 2**63, -(2**63) - 1, 2**64, 2 * 10**308, -(10**308)])
-ODD_FLOATS = st.sampled_from([-0.0, 0.0, 1e308, -1e308, 5e-324, -5e-324, float("nan"), float("inf"), float("-inf")])
+# The largest float32, the next float64 beyond it, and a value that is infinite as a float32.
+FLOAT32_EDGES = [3.4028234663852886e38, 3.402823466385289e38, 3.4028235677973366e38, 1e39]
+FLOAT32_EDGES += [-v for v in FLOAT32_EDGES]
+ODD_FLOATS = st.sampled_from(
+    [-0.0, 0.0, 1e308, -1e308, 5e-324, -5e-324, float("nan"), float("inf"), float("-inf"), *FLOAT32_EDGES]
+)
 
 SCALARS = st.one_of(
     st.none(),
@@ -62,9 +68,8 @@ HOSTILE = st.recursive(
 )
 LONG_LISTS = st.builds(lambda value, n: [value] * n, SCALARS, st.integers(500, 3000))
 
-FINITE = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-(10**300), 10**300), ODD_FLOATS)
 LOGPROBS = st.one_of(
-    st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), st.integers(-50, 0), st.just(-0.0)
+    st.floats(min_value=-3.4028234663852886e38, max_value=0.0, width=32), st.integers(-50, 0), st.just(-0.0)
 )
 
 
@@ -78,8 +83,10 @@ def valid_records(draw, vocab: int) -> dict:
         "completion_ids": draw(st.lists(ids, min_size=length, max_size=length)),
         "old_logprobs": draw(st.lists(LOGPROBS, min_size=length, max_size=length)),
     }
-    finite = st.floats(allow_nan=False, allow_infinity=False) | st.integers(-5, 5)
+    finite = st.floats(allow_nan=False, allow_infinity=False, width=32) | st.integers(-5, 5)
     record |= advantage_fields(draw, draw(st.sampled_from(ADVANTAGE_KINDS)), finite, length)
+    if draw(st.booleans()):
+        record["ref_logprobs"] = draw(st.lists(LOGPROBS, min_size=length, max_size=length))
     group = draw(st.one_of(st.none(), ODD_TEXT, st.integers(), HUGE_INTS))
     if group is not None or draw(st.booleans()):
         record["group_id"] = group
@@ -95,13 +102,21 @@ def valid_records(draw, vocab: int) -> dict:
 
 @st.composite
 def hostile_records(draw, vocab: int) -> dict:
-    """A valid record with up to three hostile edits: wrong types, bad elements, lengths, deletions."""
+    """A valid record with up to three hostile edits: wrong types, bad elements, lengths, deletions,
+    numbers at the edge of the float32 range."""
     record = draw(valid_records(vocab))
     for _ in range(draw(st.integers(0, 3))):
         field = draw(st.sampled_from((*FIELDS, "extra")))
-        edit = draw(st.sampled_from(["set", "delete", "element", "length", "empty", "long", "long_valid"]))
+        edit = draw(st.sampled_from(["set", "delete", "element", "length", "empty", "long", "long_valid", "edge"]))
         current = record.get(field)
-        if edit == "set":
+        if edit == "edge":  # a number at the float32 edge, negative in a list of log-probs
+            value = draw(st.sampled_from(FLOAT32_EDGES))
+            value = -abs(value) if field.endswith("logprobs") else value
+            if isinstance(current, list) and current:
+                current[draw(st.integers(0, len(current) - 1))] = value
+            else:
+                record[field] = value
+        elif edit == "set":
             record[field] = draw(HOSTILE)
         elif edit == "delete":
             record.pop(field, None)
@@ -119,7 +134,7 @@ def hostile_records(draw, vocab: int) -> dict:
         elif edit == "long_valid":  # a very long document that is otherwise fine
             n = draw(st.integers(500, 3000))
             record.update(completion_ids=[vocab - 1] * n, old_logprobs=[-0.5] * n)
-            for name in ("advantages", "completion_mask"):
+            for name in ("advantages", "completion_mask", "ref_logprobs"):
                 record.pop(name, None)
     return record
 

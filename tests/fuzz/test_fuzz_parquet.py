@@ -52,7 +52,12 @@ COLUMN_TYPES = {
     "temperature": SCALAR_TYPES,
     "group_id": GROUP_TYPES,
     "completion_mask": MASK_TYPES,
+    "ref_logprobs": FLOAT_LIST_TYPES,
 }
+FLOAT_LISTS = ("old_logprobs", "advantages", "ref_logprobs")
+# The largest float32, the next float64 beyond it, and a value that is infinite as a float32.
+FLOAT32_EDGES = [3.4028234663852886e38, 3.402823466385289e38, 3.4028235677973366e38, 1e39]
+FLOAT32_EDGES += [-v for v in FLOAT32_EDGES]
 LIST_TYPES = {
     "int64": pa.list_(pa.int64()),
     "int32": pa.list_(pa.int32()),
@@ -119,13 +124,13 @@ def _arrow_type(field: str, how: str) -> pa.DataType | None:
     if how == "dictionary":
         return None
     if how == "nested":
-        inner = pa.float64() if field in ("old_logprobs", "advantages") else pa.int64()
+        inner = pa.float64() if field in FLOAT_LISTS else pa.int64()
         return pa.list_(pa.list_(inner))
     if how == "scalar":
-        return pa.float64() if field in ("old_logprobs", "advantages") else pa.int64()
+        return pa.float64() if field in FLOAT_LISTS else pa.int64()
     if how == "list":
         return pa.list_(pa.float64())
-    if field in ("prompt_ids", "completion_ids", "old_logprobs", "advantages", "completion_mask"):
+    if field in ("prompt_ids", "completion_ids", "completion_mask", *FLOAT_LISTS):
         return LIST_TYPES[how]
     return SCALAR_ARROW[how]
 
@@ -153,8 +158,8 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
     num_rows = draw(st.integers(0, 6))
     ids = st.integers(0, vocab - 1)
     advantage_kind = draw(st.sampled_from(ADVANTAGE_KINDS))
-    optional = draw(st.sets(st.sampled_from(["group_id", "completion_mask", "temperature"])))
-    logprobs = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
+    optional = draw(st.sets(st.sampled_from(["group_id", "completion_mask", "temperature", "ref_logprobs"])))
+    logprobs = st.floats(min_value=-3.4028234663852886e38, max_value=0.0, width=32)
     finite = st.floats(-1e6, 1e6)
     rows = []
     for _ in range(num_rows):
@@ -171,6 +176,8 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
             row["completion_mask"] = draw(st.lists(st.sampled_from([0, 1]), min_size=length, max_size=length))
         if "temperature" in optional:
             row["temperature"] = draw(st.floats(0.1, 2.0))
+        if "ref_logprobs" in optional:
+            row["ref_logprobs"] = draw(st.lists(logprobs, min_size=length, max_size=length))
         for _ in range(draw(st.integers(0, 2))):  # hostile edits that keep the column's type
             field = draw(st.sampled_from(sorted(COLUMN_TYPES)))
             value = row.get(field)
@@ -179,7 +186,7 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
                 row[field] = None
             elif isinstance(value, list) and edit == "element" and value:
                 value[draw(st.integers(0, len(value) - 1))] = draw(
-                    st.sampled_from([None, -1, vocab, vocab + 7, 2, 0.5, float("nan"), float("-inf")])
+                    st.sampled_from([None, -1, vocab, vocab + 7, 2, 0.5, float("nan"), float("-inf"), *FLOAT32_EDGES])
                 )
             elif isinstance(value, list) and edit == "drop" and value:
                 value.pop()
@@ -188,7 +195,8 @@ def rows_and_columns(draw) -> tuple[int, int | None, pa.Table]:
             elif isinstance(value, list) and edit == "empty":
                 row[field] = []
             elif edit == "bad":
-                row[field] = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), -(2**63), 2**63 - 1]))
+                row[field] = draw(st.sampled_from([0.0, -1.0, float("nan"), float("inf"), -(2**63), 2**63 - 1,
+                                                   *FLOAT32_EDGES]))
         rows.append(row)
 
     names = [field for field in COLUMN_TYPES if any(field in row for row in rows)]

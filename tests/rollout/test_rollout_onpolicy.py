@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+from rlcli.data.errors import DataError
 from rlcli.data.readers import load_rollouts
 from rlcli.data.writers import append_jsonl
 from rlcli.rollout.advantages import group_advantages
@@ -100,6 +101,18 @@ def test_the_injected_sampler_generates():
 def test_advantages_use_the_given_eps():
     docs, _ = fixed_rollouts(eps=0.5).generate(step=0)
     assert [d.advantages[0] for d in docs] == pytest.approx(grpo_reference([0.4, 0.2, 0.0], 0.5) * 2, rel=1e-12)
+
+
+def test_a_dr_grpo_advantage_beyond_float32_is_a_data_error():
+    rollouts = fixed_rollouts(estimator="dr_grpo")
+    rollouts.task.reward = lambda prompt, ids: 1e40 * ReverseTask.reward(rollouts.task, prompt, ids)
+    # rewards 4e39, 2e39, 0 per group: dr_grpo's 2e39, 0, -2e39 are infinite as float32; grpo's are not
+    with pytest.raises(DataError, match=r"^rollout:step 0 rank 0 #0: field 'reward': advantage.estimator=dr_grpo "
+                                        r"makes it the advantage 2\.0*\d*e\+39 .*outside the float32 range"):
+        rollouts.generate(step=0)
+    rollouts.estimator = "grpo"
+    docs, _ = rollouts.generate(step=0)
+    assert [d.advantages[0] for d in docs] == pytest.approx(grpo_reference([0.4, 0.2, 0.0], 0.0) * 2, rel=1e-12)
 
 
 def test_hf_sampler_samples_what_sample_completions_samples(task, model):

@@ -116,17 +116,19 @@ def test_invalid_entries_are_rejected_with_their_reason_and_nothing_stays_pendin
     r.xadd("rlcli:rollouts", {"record": "{not json"})
     r.xadd("rlcli:rollouts", {"other": "field"})
     r.xadd("rlcli:rollouts", {"record": json.dumps(record(4, completion_ids=[1, 2, 99, 3]))})
+    r.xadd("rlcli:rollouts", {"record": json.dumps(record(5, advantage=-1e39))})  # -inf as a float32
     r.xadd("rlcli:rollouts", {"record": json.dumps(good)})
     train(compose_train_config(overrides(redis_url)), tmp_path)
 
     assert [d["ids"] for d in documents(tmp_path)] == [["r0"]]
     rejected = [json.loads(line) for line in (tmp_path / "rejected.jsonl").read_text().splitlines()]
     fields = [r["field"] for r in rejected]
-    assert fields == ["completion_ids", "id", "advantages", None, None, "completion_ids"]
+    assert fields == ["completion_ids", "id", "advantages", None, None, "completion_ids", "advantage"]
     reasons = [r["reason"] for r in rejected]
     assert "missing (required)" in reasons[0] and "not JSON" in reasons[3] and "no 'record' field" in reasons[4]
     assert "outside the vocabulary [0, 7)" in reasons[5]
-    assert r.xlen("rlcli:rollouts:rejected") == 6
+    assert "value is -1e+39, outside the float32 range" in reasons[6]
+    assert r.xlen("rlcli:rollouts:rejected") == 7
     assert r.xpending("rlcli:rollouts", "rlcli-trainer")["pending"] == 0
 
 

@@ -93,6 +93,12 @@ def test_group_advantages_from_rewards_match_the_grpo_formula():
     assert [r["advantage"] for r in dr[:-1]] == pytest.approx([0.4, -0.6, -0.6, 0.4, 0.4, -0.25, 0.25, 0, 0, 0])
 
 
+def test_group_advantages_of_huge_rewards_are_finite():
+    records = [{"id": "a", "reward": 1e200, "group_id": "g"}, {"id": "b", "reward": -1e200, "group_id": "g"}]
+    # mean 0, std 1e200: ±1e200 / (1e200 + 1e-6) is ±1 in float64
+    assert [r["advantage"] for r in group_advantages_for(records, "grpo")] == [1.0, -1.0]
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
