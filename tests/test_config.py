@@ -113,6 +113,10 @@ def test_valid_default_config_has_no_problem():
         (["trainer.max_epochs=1"], "trainer.max_epochs"),
         (["data=rollouts", "data.paths=[missing.jsonl]"], "missing.jsonl"),
         (["model=hf", "model.path=/nonexistent"], "model.path: /nonexistent is not a Hugging Face checkpoint"),
+        # Hydra fails on a config group set to a non-name with a traceback: the CLI reports them before it
+        (["task=null", "loss=1"], "Invalid configuration (2 problems):\n  - task=null: the config group task takes "
+                                  "one of addition, prompts, reverse (or a list of them); ~task leaves it out\n"
+                                  "  - loss=1:"),
     ],
 )
 def test_cli_config_errors_exit_2_without_traceback(tmp_path, args, message):
@@ -277,7 +281,8 @@ def test_values_that_broke_a_run_are_refused_naming_their_key(overrides, expecte
         ["optimizer.betas=[0,0.999999]"], ["seed=4294967295"], ["seed=0"],
         ["loss.eps_high=3.4028234663852886e38"], ["loss=sapo", "loss.tau_pos=1.2e-38", "loss.tau_neg=3.4e38"],
         ["loss.temperature=1.2e-38"], ["model.hidden_size=8", "model.num_heads=4"],
-        ["trainer.precision=bf16-mixed", "model.dtype=bfloat16"], ["trainer.precision=bf16-true", "model.dtype=float16"],
+        ["trainer.precision=bf16-mixed", "model.dtype=bfloat16"],
+        ["trainer.precision=bf16-true", "model.dtype=float16"],
         ["callbacks=[{_target_: rlcli.callbacks.console.RichConsole}]"],
     ],
 )
@@ -296,7 +301,8 @@ def test_values_at_the_edges_of_the_new_rules_pass(overrides):
          "strategy.process_group_backend: nccl connects CUDA GPUs"),
         (("cuda", 1), ["trainer.accelerator=cpu", "strategy=ddp", "strategy.process_group_backend=nccl"],
          "strategy.process_group_backend: nccl connects CUDA GPUs"),
-        ((None, 0), ["trainer.devices=5", "strategy=ddp"], "trainer.devices: 5 processes on CPU, more than the 4 cores"),
+        ((None, 0), ["trainer.devices=5", "strategy=ddp"],
+         "trainer.devices: 5 processes on CPU, more than the 4 cores"),
         (("mps", 1), ["data=rollouts", "strategy=fsdp"], "strategy: fsdp needs CUDA GPUs"),
         (("cuda", 1), ["data=rollouts", "strategy=fsdp", "trainer.accelerator=cpu"], "strategy: fsdp needs CUDA GPUs"),
     ],
