@@ -265,6 +265,10 @@ def test_a_mismatch_correction_makes_the_ratio_use_the_trainer_log_probs():
         # autocast casts from float32 weights; float16 ones break the mixed-precision step
         (["trainer.precision=16-mixed", "model.dtype=float16"], "model.dtype: trainer.precision=16-mixed computes"),
         (["trainer.precision=bf16-mixed", "model.dtype=float16"], "model.dtype: trainer.precision=bf16-mixed"),
+        # TensorBoard writes into the run directory (an absolute folder failed when the run ended)
+        (["logger=tensorboard", "logger.tensorboard.subdir=/proc/nope"],
+         "logger.tensorboard.subdir: a folder inside the run directory, got '/proc/nope'"),
+        (["logger=tensorboard", "logger.tensorboard.subdir=../up"], "logger.tensorboard.subdir: a folder inside"),
         # a node that builds an object is a _target_ and its arguments
         (["callbacks=[1]"], "callbacks[0]: expected a _target_ and its arguments ({_target_: ..., ...}), got 1"),
         (["callbacks=[{every: 2}]"], "callbacks[0]: expected a _target_ and its arguments"),
@@ -284,6 +288,7 @@ def test_values_that_broke_a_run_are_refused_naming_their_key(overrides, expecte
         ["trainer.precision=bf16-mixed", "model.dtype=bfloat16"],
         ["trainer.precision=bf16-true", "model.dtype=float16"],
         ["callbacks=[{_target_: rlcli.callbacks.console.RichConsole}]"],
+        ["logger=tensorboard", "logger.tensorboard.subdir=tb/run"],
     ],
 )
 def test_values_at_the_edges_of_the_new_rules_pass(overrides):

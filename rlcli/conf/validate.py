@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import typing
+from pathlib import PurePath
 from typing import Any, Literal, Union
 
 import hydra.utils
@@ -294,6 +295,9 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
             problems.append(f"{group}: only used with data={'|'.join(users)}")
     _check_loss_terms(cfg, problems)
     _check_model(_group(cfg, "model"), _group(cfg, "trainer"), problems)
+    subdir = _group(_group(cfg, "logger"), "tensorboard").get("subdir")
+    if isinstance(subdir, str) and (PurePath(subdir).is_absolute() or ".." in PurePath(subdir).parts):
+        problems.append(f"logger.tensorboard.subdir: a folder inside the run directory, got {subdir!r}")
     check_machine(cfg, problems)
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
