@@ -11,11 +11,6 @@ import os
 from omegaconf import DictConfig
 
 
-def _group(cfg: DictConfig, name: str) -> DictConfig:
-    node = cfg.get(name)
-    return node if isinstance(node, DictConfig) else DictConfig({})
-
-
 def gpus() -> tuple[str | None, int]:
     """The GPUs Lightning's ``accelerator=gpu`` picks here: ``("mps", 1)`` on Apple silicon, else
     ``("cuda", count)``, or ``(None, 0)`` without any."""
@@ -28,9 +23,9 @@ def gpus() -> tuple[str | None, int]:
     return None, 0
 
 
-def check_machine(cfg: DictConfig, problems: list[str]) -> None:
-    """Append a ``"key: what is wrong"`` line for each thing ``cfg`` asks of this machine that it lacks."""
-    trainer, strategy, model = _group(cfg, "trainer"), _group(cfg, "strategy"), _group(cfg, "model")
+def check_machine(trainer: DictConfig, strategy: DictConfig, model: DictConfig, problems: list[str]) -> None:
+    """Append a ``"key: what is wrong"`` line for each thing the config's ``trainer``, ``strategy`` and
+    ``model`` groups ask of this machine that it lacks."""
     kind, count = gpus()
     accelerator = trainer.get("accelerator")
     on_gpu = count > 0 and accelerator in ("auto", "gpu")

@@ -298,7 +298,7 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
     subdir = _group(_group(cfg, "logger"), "tensorboard").get("subdir")
     if isinstance(subdir, str) and (PurePath(subdir).is_absolute() or ".." in PurePath(subdir).parts):
         problems.append(f"logger.tensorboard.subdir: a folder inside the run directory, got {subdir!r}")
-    check_machine(cfg, problems)
+    check_machine(_group(cfg, "trainer"), _group(cfg, "strategy"), _group(cfg, "model"), problems)
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check
