@@ -23,12 +23,46 @@ commands:
 """
 
 
+def _group_override_errors(args: list[str]) -> list[str]:
+    """What is wrong with each override that sets a config group to something other than an option name
+    or a list of them (``task=null``, ``loss=1``): Hydra fails on those with a traceback."""
+    from importlib.resources import files
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    conf = files("rlcli.conf")
+    groups = {entry.name for entry in conf.iterdir() if entry.is_dir() and not entry.name.startswith("_")}
+    parser, errors = OverridesParser.create(), []
+    for arg in args:
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue  # not an override, or one Hydra reports in one line
+        group = override.key_or_group
+        if group not in groups or override.is_delete() or override.is_sweep_override():
+            continue
+        value = override.value()
+        if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            options = sorted(entry.name.removesuffix(".yaml") for entry in (conf / group).iterdir()
+                             if entry.name.endswith(".yaml"))
+            errors.append(f"{arg}: the config group {group} takes one of {', '.join(options)} (or a list of "
+                          f"them); ~{group} leaves it out")
+    return errors
+
+
 def _hydra_app(name: str, args: list[str]) -> int:
     """Run the Hydra app of `rlcli.<name>` with ``args`` as its overrides; a composition error (Hydra's
     exit 1 before the app's task runs: an unknown group option or key) exits 2 like every other
     config error."""
     import importlib
 
+    errors = _group_override_errors(args)
+    if errors:
+        from rlcli.conf.validate import ConfigError
+
+        print(f"rlcli {name}: error: {ConfigError(errors)}", file=sys.stderr)
+        return 2
     app = importlib.import_module(f"rlcli.{name}")
     sys.argv = [sys.argv[0], *args]
     # the local config folder on Hydra's search path (rlcli_local/) is optional

@@ -53,14 +53,14 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("loss.eps_low=1.0", "loss.eps_low: must be < 1"),
         ("loss.eps_low=-0.1", "loss.eps_low: must be >= 0"),
         ("loss.eps_high=-0.5", "loss.eps_high: must be >= 0"),
-        ("loss.temperature=0", "loss.temperature: must be > 0"),
+        ("loss.temperature=0", "loss.temperature: must be >= 1.17549e-38, got 0"),  # float32's smallest normal
         ("loss.temperature=nan", "loss.temperature: must be a finite number"),
         ("loss.chunk_tokens=-1", "loss.chunk_tokens: must be >= 0"),
         ("loss.chunk_tokens=most", "loss.chunk_tokens: expected int, got 'most' (str) or must be one of ['auto']"),
         ("loss.fp32_lm_head=maybe", "loss.fp32_lm_head: expected bool"),
         ("model.attn_implementation=flash", "model.attn_implementation: must be one of"),
         ("aggregation=constant", "aggregation.divisor: is required"),
-        ("aggregation=constant aggregation.divisor=0", "aggregation.divisor: must be > 0"),
+        ("aggregation=constant aggregation.divisor=0", "aggregation.divisor: must be >= 1.17549e-38"),
         ("aggregation=constant aggregation.divisor=inf", "aggregation.divisor: must be a finite number"),
         ("aggregation=constant aggregation.divisor=null", "aggregation.divisor: is required for aggregation=constant"),
         ("aggregation.divisor=4", "aggregation.divisor: only valid with aggregation=constant"),
@@ -113,6 +113,10 @@ def test_valid_default_config_has_no_problem():
         (["trainer.max_epochs=1"], "trainer.max_epochs"),
         (["data=rollouts", "data.paths=[missing.jsonl]"], "missing.jsonl"),
         (["model=hf", "model.path=/nonexistent"], "model.path: /nonexistent is not a Hugging Face checkpoint"),
+        # Hydra fails on a config group set to a non-name with a traceback: the CLI reports them before it
+        (["task=null", "loss=1"], "Invalid configuration (2 problems):\n  - task=null: the config group task takes "
+                                  "one of addition, prompts, reverse (or a list of them); ~task leaves it out\n"
+                                  "  - loss=1:"),
     ],
 )
 def test_cli_config_errors_exit_2_without_traceback(tmp_path, args, message):
@@ -225,3 +229,153 @@ def test_the_terms_of_the_loss_family_are_checked_with_the_rest(overrides, expec
 def test_a_mismatch_correction_makes_the_ratio_use_the_trainer_log_probs():
     assert validate_config(compose_train_config()).loss.old_logprobs == "sampler"
     assert validate_config(compose_train_config(["correction.mode=truncate"])).loss.old_logprobs == "recompute"
+
+
+# Values that used to pass validation and then end in a traceback (issue 19, item 6): each is now a
+# problem of the validator that names its key. Where the bound comes from is in the comment.
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # torch's AdamW unpacks exactly two betas, each in [0, 1)
+        (["optimizer.betas=[0.9]"], "optimizer.betas: expected a list of 2 items, got 1: [0.9]"),
+        (["optimizer.betas=[0.9,0.99,0.999]"], "optimizer.betas: expected a list of 2 items, got 3"),
+        (["optimizer.betas=[2,3]"], "optimizer.betas[0]: must be < 1, got 2"),
+        (["optimizer.betas=[0.9,1.0]"], "optimizer.betas[1]: must be < 1, got 1.0"),
+        (["optimizer.betas=[-0.1,0.9]"], "optimizer.betas[0]: must be >= 0, got -0.1"),
+        # Lightning's seed_everything (numpy) takes 0..2**32-1
+        (["seed=8589934592"], "seed: must be <= 4294967295, got 8589934592"),
+        (["seed=-1"], "seed: must be >= 0, got -1"),
+        # float32 numbers in the loss: 1 + eps_high is a float32 clamp bound, 4/tau a float32 factor, ...
+        (["loss.eps_high=1e308"], "loss.eps_high: must be <= 3.40282e+38, got 1e+308"),
+        (["loss=cispo", "loss.eps_high=1e308"], "loss.eps_high: must be <= 3.40282e+38"),
+        (["loss=sapo", "loss.tau_pos=1e-38"], "loss.tau_pos: must be >= 1.17549e-38, got 1e-38"),
+        (["loss=sapo", "loss.tau_neg=1e39"], "loss.tau_neg: must be <= 3.40282e+38"),
+        (["kl.coef=1e39"], "kl.coef: must be <= 3.40282e+38"),
+        (["loss.entropy_coef=1e39"], "loss.entropy_coef: must be <= 3.40282e+38"),
+        (["loss.temperature=1e-308"], "loss.temperature: must be >= 1.17549e-38, got 1e-308"),
+        (["aggregation=constant", "aggregation.divisor=5e-324"], "aggregation.divisor: must be >= 1.17549e-38"),
+        # integers reach torch and Lightning as 64-bit ones
+        (["trainer.devices=9223372036854775808"], "trainer.devices: must be a 64-bit integer"),
+        (["model.vocab_size=9223372036854775808"], "model.vocab_size: must be a 64-bit integer"),
+        # the tiny Llama: whole heads, of an even size for the rotary embeddings
+        (["model.num_heads=3"], "model.hidden_size: 64 is not a multiple of model.num_heads=3"),
+        (["model.hidden_size=12", "model.num_heads=4"],
+         "model.num_heads: 4 heads of model.hidden_size=12 get 3 dimensions each; rotary position embeddings"),
+        (["model.hidden_size=4", "model.num_heads=4"], "model.num_heads: 4 heads of model.hidden_size=4 get 1"),
+        # autocast casts from float32 weights; float16 ones break the mixed-precision step
+        (["trainer.precision=16-mixed", "model.dtype=float16"], "model.dtype: trainer.precision=16-mixed computes"),
+        (["trainer.precision=bf16-mixed", "model.dtype=float16"], "model.dtype: trainer.precision=bf16-mixed"),
+        # TensorBoard writes into the run directory (an absolute folder failed when the run ended)
+        (["logger=tensorboard", "logger.tensorboard.subdir=/proc/nope"],
+         "logger.tensorboard.subdir: a folder inside the run directory, got '/proc/nope'"),
+        (["logger=tensorboard", "logger.tensorboard.subdir=../up"], "logger.tensorboard.subdir: a folder inside"),
+        # a node that builds an object is a _target_ and its arguments
+        (["callbacks=[1]"], "callbacks[0]: expected a _target_ and its arguments ({_target_: ..., ...}), got 1"),
+        (["callbacks=[{every: 2}]"], "callbacks[0]: expected a _target_ and its arguments"),
+    ],
+)
+def test_values_that_broke_a_run_are_refused_naming_their_key(overrides, expected):
+    problems = problems_of(overrides)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["optimizer.betas=[0,0.999999]"], ["seed=4294967295"], ["seed=0"],
+        ["loss.eps_high=3.4028234663852886e38"], ["loss=sapo", "loss.tau_pos=1.2e-38", "loss.tau_neg=3.4e38"],
+        ["loss.temperature=1.2e-38"], ["model.hidden_size=8", "model.num_heads=4"],
+        ["trainer.precision=bf16-mixed", "model.dtype=bfloat16"],
+        ["trainer.precision=bf16-true", "model.dtype=float16"],
+        ["callbacks=[{_target_: rlcli.callbacks.console.RichConsole}]"],
+        ["logger=tensorboard", "logger.tensorboard.subdir=tb/run"],
+    ],
+)
+def test_values_at_the_edges_of_the_new_rules_pass(overrides):
+    validate_config(compose_train_config(overrides))
+
+
+@pytest.mark.parametrize(
+    "gpus, overrides, expected",
+    [
+        ((None, 0), ["trainer.accelerator=gpu"], "trainer.accelerator: gpu, but torch finds no GPU on this machine"),
+        (("cuda", 1), ["trainer.devices=2", "strategy=ddp"],
+         "trainer.devices: 2 processes need a GPU each, this machine has 1"),
+        (("cuda", 1), ["trainer.accelerator=gpu", "trainer.devices=3", "strategy=ddp"], "trainer.devices: 3 processes"),
+        ((None, 0), ["strategy=ddp", "strategy.process_group_backend=nccl"],
+         "strategy.process_group_backend: nccl connects CUDA GPUs"),
+        (("cuda", 1), ["trainer.accelerator=cpu", "strategy=ddp", "strategy.process_group_backend=nccl"],
+         "strategy.process_group_backend: nccl connects CUDA GPUs"),
+        ((None, 0), ["trainer.devices=5", "strategy=ddp"],
+         "trainer.devices: 5 processes on CPU, more than the 4 cores"),
+        (("mps", 1), ["data=rollouts", "strategy=fsdp"], "strategy: fsdp needs CUDA GPUs"),
+        (("cuda", 1), ["data=rollouts", "strategy=fsdp", "trainer.accelerator=cpu"], "strategy: fsdp needs CUDA GPUs"),
+    ],
+)
+def test_what_a_config_asks_of_the_machine_is_checked(monkeypatch, gpus, overrides, expected):
+    monkeypatch.setattr("rlcli.conf.machine.gpus", lambda: gpus)
+    monkeypatch.setattr("rlcli.conf.machine.os.cpu_count", lambda: 4)
+    problems = problems_of(overrides)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "gpus, overrides",
+    [
+        (("cuda", 2), ["trainer.accelerator=gpu", "trainer.devices=2", "strategy=ddp",
+                       "strategy.process_group_backend=nccl"]),
+        ((None, 0), ["trainer.devices=4", "strategy=ddp"]),  # a process per core
+        (("cuda", 1), ["data=rollouts", "strategy=fsdp"]),
+    ],
+)
+def test_what_the_machine_has_passes(monkeypatch, gpus, overrides):
+    monkeypatch.setattr("rlcli.conf.machine.gpus", lambda: gpus)
+    monkeypatch.setattr("rlcli.conf.machine.os.cpu_count", lambda: 4)
+    validate_config(compose_train_config(overrides))
+
+
+@pytest.mark.parametrize(
+    "gpus, flash_attn, accelerator, expected",
+    [
+        (("cuda", 1), False, "auto", "model.attn_implementation: flash_attention_2 needs the flash_attn package"),
+        (("cuda", 1), True, "cpu", "model.attn_implementation: flash_attention_2 runs on GPUs only"),
+        (("cuda", 1), True, "gpu", None),
+    ],
+)
+def test_flash_attention_needs_its_package_and_a_gpu(monkeypatch, gpus, flash_attn, accelerator, expected):
+    import transformers.utils
+
+    monkeypatch.setattr("rlcli.conf.machine.gpus", lambda: gpus)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: flash_attn)
+    overrides = ["model.attn_implementation=flash_attention_2", f"trainer.accelerator={accelerator}"]
+    if expected is None:
+        validate_config(compose_train_config(overrides))
+    else:
+        assert any(p.startswith(expected) for p in problems_of(overrides))
+
+
+def test_the_machine_rules_see_this_machine():
+    """Unpatched: the GPUs Lightning would use here, and whether transformers can run flash attention."""
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+
+    from rlcli.conf.machine import gpus
+
+    kind, count = gpus()
+    assert count == (torch.cuda.device_count() if kind == "cuda" else int(kind == "mps"))
+    assert (kind is None) == (not torch.cuda.is_available() and not torch.backends.mps.is_available())
+    problems = problems_of(["model.attn_implementation=flash_attention_2", "trainer.accelerator=cpu"])
+    assert any(p.startswith("model.attn_implementation: flash_attention_2") for p in problems)
+    if not is_flash_attn_2_available():
+        assert any("needs the flash_attn package" in p for p in problems)
+
+
+def test_cli_reports_several_new_problems_together_without_traceback(tmp_path):
+    """One command with five problems of different kinds: one message listing all five, exit 2."""
+    args = ["optimizer.betas=[0.9]", "seed=8589934592", "loss.eps_high=1e308", "model.num_heads=3", "callbacks=[1]"]
+    result = run_rlcli(["train", *args], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "Invalid configuration (5 problems)" in result.stderr
+    for key in ("optimizer.betas:", "seed:", "loss.eps_high:", "model.hidden_size:", "callbacks[0]:"):
+        assert f"  - {key}" in result.stderr, key

@@ -2,21 +2,32 @@
 
 `rlcli.conf.validate` checks a composed config against these classes, reports every problem at
 once, and hands `rlcli.build` instances of them. Bounds live in each field's metadata:
-``ge``/``gt``/``le``/``lt``. Defaults live in the YAML files only; closed sets come from the
-registries of the code that uses them.
+``ge``/``gt``/``le``/``lt`` (a list's hold for each item; a ``tuple[...]`` is a list of exactly that
+many items). Defaults live in the YAML files only; closed sets and the bounds the library also
+checks come from the code that uses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
+
+from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 
 from rlcli.modules import AGGREGATIONS, CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, METRIC_LEVELS, PolicyLoss
+from rlcli.modules.aggregation import DIVISOR
+from rlcli.modules.bounds import TEMPERATURE
+from rlcli.modules.regularizers import TERM_COEF
 from rlcli.rollout.advantages import ESTIMATORS
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
 ATTENTION = Literal["sdpa", "eager", "flash_attention_2", "varlen"]
+
+
+class Target(dict):
+    """The type of a node that builds an object: ``_target_`` (a class or function of a trusted module,
+    see ``allow_targets``) and its arguments."""
 
 
 def bounded(**bounds) -> dict:
@@ -35,17 +46,17 @@ class LossConfig:
     its own options, which the validator checks against that class, and how the head scores."""
 
     name: str
-    temperature: float = bounded(gt=0)
+    temperature: float = bounded(**TEMPERATURE)
     fp32_lm_head: bool
     chunk_tokens: Union[int, Literal["auto"]] = bounded(ge=0)
     old_logprobs: Literal["sampler", "recompute"]
-    entropy_coef: float = bounded(ge=0)
+    entropy_coef: float = bounded(**TERM_COEF)
     objective: PolicyLoss = built()  # the loss object, with the group's remaining keys as options
 
 
 @dataclass
 class KLConfig:
-    coef: float = bounded(ge=0)
+    coef: float = bounded(**TERM_COEF)
     estimator: Literal[KL_ESTIMATORS]
     reference: str  # initial | rollouts | a model path
 
@@ -61,7 +72,7 @@ class CorrectionConfig:
 @dataclass
 class AggregationConfig:
     name: Literal[AGGREGATIONS]
-    divisor: Optional[float] = bounded(gt=0)
+    divisor: Optional[float] = bounded(**DIVISOR)
 
 
 @dataclass
@@ -143,7 +154,7 @@ class RolloutConfig:
     prompts_per_step: int = bounded(ge=1)
     group_size: int = bounded(ge=1)
     max_new_tokens: int = bounded(ge=1)
-    temperature: float = bounded(gt=0)
+    temperature: float = bounded(**TEMPERATURE)
     top_p: float = bounded(gt=0, le=1)
     top_k: int = bounded(ge=0)
     save: bool
@@ -177,7 +188,7 @@ class _OptimizerConfig:
 @dataclass
 class AdamWConfig(_OptimizerConfig):
     name: Literal["adamw"]
-    betas: list[float]
+    betas: tuple[float, float] = bounded(ge=0, lt=1)  # each of the two
     eps: float = bounded(gt=0)
 
 
@@ -256,10 +267,10 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = bounded(ge=0)
+    seed: int = bounded(ge=min_seed_value, le=max_seed_value)  # what Lightning's seed_everything takes
     resume: Optional[str]
     allow_targets: list[str]
-    callbacks: list[Any]  # extra Lightning callbacks, each a `_target_` and its arguments
+    callbacks: list[Target]  # extra Lightning callbacks
     loss: LossConfig
     kl: KLConfig
     correction: CorrectionConfig
@@ -268,7 +279,7 @@ class TrainConfig:
     model: Union[TinyModelConfig, HFModelConfig]
     data: Union[RolloutDataConfig, GenerateDataConfig, StreamDataConfig]
     rollout: Optional[RolloutConfig]  # with data=generate or stream
-    task: Optional[Any]  # with data=generate or stream: a `_target_` and its arguments
+    task: Optional[Target]  # with data=generate or stream
     publish: Optional[PublishConfig]  # with data=stream
     sample: Optional[SampleConfig]  # with data=stream
     advantage: AdvantageConfig

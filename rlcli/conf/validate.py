@@ -6,14 +6,17 @@ import copy
 import dataclasses
 import math
 import typing
+from pathlib import PurePath
 from typing import Any, Literal, Union
 
 import hydra.utils
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from rlcli.conf.schema import LossConfig, TrainConfig
+from rlcli.conf.machine import check_machine
+from rlcli.conf.schema import LossConfig, Target, TrainConfig
 from rlcli.errors import UserError
 from rlcli.modules import LOSSES, PolicyLoss, make_loss, register_loss
+from rlcli.modules.bounds import BOUNDS, INT64
 from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
 
 
@@ -57,12 +60,11 @@ def _check_union(node, members, path, problems) -> None:
 
 
 def _check_bounds(value, meta, path, problems) -> None:
-    rules = {"ge": (lambda a, b: a >= b, ">="), "gt": (lambda a, b: a > b, ">"),
-             "le": (lambda a, b: a <= b, "<="), "lt": (lambda a, b: a < b, "<")}
     for name, bound in meta.items():
-        holds, symbol = rules[name]
+        holds, symbol = BOUNDS[name]
         if not holds(value, bound):
-            problems.append(f"{path}: must be {symbol} {bound}, got {value!r}")
+            problems.append(f"{path}: must be {symbol} {bound if isinstance(bound, int) else f'{bound:g}'}, "
+                            f"got {value!r}")
 
 
 def _check_value(value, annotation, path, problems, meta=None) -> None:
@@ -92,12 +94,15 @@ def _check_value(value, annotation, path, problems, meta=None) -> None:
         if value not in args:
             problems.append(f"{path}: must be one of {list(args)}, got {value!r}")
         return
-    if origin is list:
+    if origin in (list, tuple):  # a tuple: a list of as many items; the field's bounds hold for each item
         if not isinstance(value, ListConfig):
             problems.append(f"{path}: expected a list, got {_describe(value)}")
             return
-        for i, item in enumerate(value):
-            _check_value(item, args[0], f"{path}[{i}]", problems)
+        if origin is tuple and len(value) != len(args):
+            problems.append(f"{path}: expected a list of {len(args)} items, got {len(value)}: {list(value)!r}")
+            return
+        for i, (item, hint) in enumerate(zip(value, args if origin is tuple else args * len(value))):
+            _check_value(item, hint, f"{path}[{i}]", problems, meta)
         return
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, DictConfig):
@@ -105,10 +110,18 @@ def _check_value(value, annotation, path, problems, meta=None) -> None:
             return
         _check_dataclass(value, annotation, path, problems)
         return
+    if annotation is Target:
+        if not (isinstance(value, DictConfig) and isinstance(value.get("_target_"), str)):
+            problems.append(f"{path}: expected a _target_ and its arguments ({{_target_: ..., ...}}), "
+                            f"got {_describe(value)}")
+        return
     if annotation is bool:
         ok = isinstance(value, bool)
     elif annotation is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not INT64.min <= value <= INT64.max:
+            problems.append(f"{path}: must be a 64-bit integer (at most {INT64.max}), got {value!r}")
+            return
     elif annotation is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok and not math.isfinite(value):
@@ -209,6 +222,8 @@ def _typed(node, annotation):
         annotation = next(m for m in members if node.get(key) in _discriminator(m)[1])
     if origin is list:
         return [_typed(item, args[0]) for item in node]
+    if origin is tuple:
+        return tuple(_typed(item, hint) for item, hint in zip(node, args))
     if annotation is LossConfig:
         return _typed_loss(node)
     if dataclasses.is_dataclass(annotation):
@@ -217,6 +232,8 @@ def _typed(node, annotation):
         })
     if isinstance(node, (DictConfig, ListConfig)):
         return OmegaConf.to_container(node, resolve=True)
+    if annotation is float:
+        return float(node)  # a float key given as an int (betas=[0,0]): torch takes floats only
     return node
 
 
@@ -268,12 +285,6 @@ def _check_targets(cfg: DictConfig, problems: list[str]) -> None:
 
 def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
     """Combinations of fields that the schema alone cannot express (SPEC §4), and the data kind's own."""
-    strategy, trainer = cfg.get("strategy"), cfg.get("trainer")
-    if isinstance(strategy, DictConfig) and strategy.get("name") == "fsdp" and isinstance(trainer, DictConfig):
-        import torch
-
-        if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
-            problems.append("strategy: fsdp needs GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)")
     data = cfg.get("data")
     kind = DATA_KINDS.get(data.get("kind")) if isinstance(data, DictConfig) else None
     if kind is not None:
@@ -283,6 +294,11 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
             users = [name for name, k in DATA_KINDS.items() if group in k.groups]
             problems.append(f"{group}: only used with data={'|'.join(users)}")
     _check_loss_terms(cfg, problems)
+    _check_model(_group(cfg, "model"), _group(cfg, "trainer"), problems)
+    subdir = _group(_group(cfg, "logger"), "tensorboard").get("subdir")
+    if isinstance(subdir, str) and (PurePath(subdir).is_absolute() or ".." in PurePath(subdir).parts):
+        problems.append(f"logger.tensorboard.subdir: a folder inside the run directory, got {subdir!r}")
+    check_machine(_group(cfg, "trainer"), _group(cfg, "strategy"), _group(cfg, "model"), problems)
     aggregation = cfg.get("aggregation")
     if not isinstance(aggregation, DictConfig) or OmegaConf.is_missing(aggregation, "divisor"):
         return  # reported by the schema check
@@ -299,6 +315,29 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
 def _group(cfg: DictConfig, name: str) -> DictConfig:
     node = cfg.get(name)
     return node if isinstance(node, DictConfig) else DictConfig({})
+
+
+def _count(node: DictConfig, key: str) -> int | None:
+    """``node[key]`` if it is an int >= 1, else None (the schema check reports it)."""
+    value = node.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _check_model(model: DictConfig, trainer: DictConfig, problems: list[str]) -> None:
+    """The weights' dtype that mixed precision needs, and the shape of the tiny Llama's attention: whole
+    heads of an even size (rotary embeddings rotate pairs of dimensions)."""
+    precision = trainer.get("precision")
+    if model.get("dtype") == "float16" and str(precision).endswith("-mixed"):
+        problems.append(f"model.dtype: trainer.precision={precision} computes under autocast from float32 weights "
+                        "(and float16 gradients break its steps); use model.dtype=float32")
+    hidden, heads = _count(model, "hidden_size"), _count(model, "num_heads")
+    if model.get("kind") != "tiny" or hidden is None or heads is None:
+        return
+    if hidden % heads:
+        problems.append(f"model.hidden_size: {hidden} is not a multiple of model.num_heads={heads}")
+    elif hidden // heads % 2:
+        problems.append(f"model.num_heads: {heads} heads of model.hidden_size={hidden} get {hidden // heads} "
+                        "dimensions each; rotary position embeddings need an even number")
 
 
 def _check_loss_terms(cfg: DictConfig, problems: list[str]) -> None:

@@ -7,14 +7,16 @@ part of ``L`` and the parts add up exactly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from rlcli.modules.bounds import FLOAT32_MAX, FLOAT32_TINY, check_value
 from rlcli.modules.segments import Segments
 
 AGGREGATIONS = ("token_mean", "sample_mean", "prompt_mean", "constant")
+# the weights 1 / (divisor·D) are float32 numbers: past these bounds they flush to 0 or to inf
+DIVISOR = {"ge": FLOAT32_TINY, "le": FLOAT32_MAX}
 
 
 def check_aggregation_options(aggregation: str, divisor: float | None) -> None:
@@ -24,10 +26,7 @@ def check_aggregation_options(aggregation: str, divisor: float | None) -> None:
     if aggregation == "constant":
         if divisor is None:
             raise ValueError("divisor is required for aggregation 'constant'")
-        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
-            raise ValueError(f"divisor must be a number; got {divisor!r}")
-        if not (0 < divisor < math.inf):
-            raise ValueError(f"divisor must be a finite number > 0; got {divisor!r}")
+        check_value("divisor", divisor, DIVISOR)
     elif divisor is not None:
         raise ValueError(f"divisor is only valid for aggregation 'constant', not {aggregation!r}")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from rlcli.modules.bounds import TEMPERATURE, check_value
+
 IGNORE_INDEX = -100
 
 # ``chunk_tokens="auto"``: the float32 logits of one chunk fill about this many elements. Small chunks
@@ -80,8 +82,7 @@ def labels_and_valid(labels):
 
 def check_head_inputs(hidden, weight, labels, temperature, chunk_tokens) -> None:
     """Raise ``ValueError`` naming the first invalid argument of the head."""
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    check_value("temperature", temperature, TEMPERATURE)
     if chunk_tokens != "auto" and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                    or chunk_tokens < 0):
         raise ValueError(f"chunk_tokens must be an integer >= 0 or 'auto', got {chunk_tokens!r}")

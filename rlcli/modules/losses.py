@@ -18,43 +18,20 @@ Nothing else in `rlcli.modules` names a loss: the entry points take its name (or
 from __future__ import annotations
 
 import math
-import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from numbers import Real
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from rlcli.modules.bounds import FLOAT32_MAX, check_bounds
 from rlcli.modules.segments import Segments
 
 if TYPE_CHECKING:
     from rlcli.modules.metrics import MetricPartials
 
-# field metadata key -> (test, how a message spells it)
-BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
-
-
-def _describe(bounds: dict[str, float]) -> str:
-    """``{"ge": 0, "lt": 1}`` -> ``"a number in [0, 1)"``; ``{"ge": 0}`` -> ``"a finite number >= 0"``."""
-    low = next((key for key in ("ge", "gt") if key in bounds), None)
-    high = next((key for key in ("le", "lt") if key in bounds), None)
-    if low and high:
-        return f"a number in {'[(' [low == 'gt']}{bounds[low]:g}, {bounds[high]:g}{'])'[high == 'lt']}"
-    return "a finite number " + " and ".join(f"{BOUNDS[key][1]} {bound:g}" for key, bound in bounds.items())
-
-
-def check_bounds(options) -> None:
-    """Raise ``ValueError`` naming the first field of the dataclass instance ``options`` that is not a
-    finite number within the bounds of its metadata. Fields without bounds are not checked."""
-    for f in fields(options):
-        bounds = {key: f.metadata[key] for key in BOUNDS if key in f.metadata}
-        value = getattr(options, f.name)
-        if bounds and not (
-            isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-            and all(BOUNDS[key][0](value, bound) for key, bound in bounds.items())
-        ):
-            raise ValueError(f"{f.name} must be {_describe(bounds)}; got {value!r}")
+# 1 + eps_high, a float32 bound of the ratios, rounds to at most FLOAT32_MAX
+EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
 
 
 @dataclass(frozen=True)
@@ -157,7 +134,7 @@ class ClippedRatioLoss(PolicyLoss):
     """A loss of ``min(r·A, clip(r)·A)``, ``clip(r) = min(max(r, 1 − eps_low), 1 + eps_high)``."""
 
     eps_low: float = field(default=0.2, metadata={"ge": 0, "lt": 1})
-    eps_high: float = field(default=0.2, metadata={"ge": 0})
+    eps_high: float = field(default=0.2, metadata=EPS_HIGH)
 
     def clipped_objective(self, ratio: torch.Tensor, advantage: torch.Tensor) -> torch.Tensor:
         """``min(r A, clip(r) A)`` elementwise."""
@@ -241,6 +218,8 @@ class GSPO(ClippedRatioLoss):
 
 # σ(x) rounds to exactly 1 in every floating dtype once x >= this (e^-50 is far below half an ulp of 1)
 _SIGMOID_IS_ONE = 50.0
+# τ and the gate's height 4/τ are float32 numbers
+_SAPO_TAU = {"ge": 4 / FLOAT32_MAX, "le": FLOAT32_MAX}
 
 
 @register_loss
@@ -258,7 +237,7 @@ class CISPO(PolicyLoss):
     sequence_level = False
     # IS weight capped at 5: the truncation TRL recommends for CISPO (ScaleRL's ε_max = 5); MiniMax-M1
     # tunes its bound but does not publish it
-    eps_high: float = field(default=4.0, metadata={"ge": 0})
+    eps_high: float = field(default=4.0, metadata=EPS_HIGH)
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]
@@ -287,8 +266,8 @@ class SAPO(PolicyLoss):
     name = "sapo"
     sequence_level = False
     # the paper's: a negative advantage's gate decays a little faster
-    tau_pos: float = field(default=1.0, metadata={"gt": 0})
-    tau_neg: float = field(default=1.05, metadata={"gt": 0})
+    tau_pos: float = field(default=1.0, metadata=_SAPO_TAU)
+    tau_neg: float = field(default=1.05, metadata=_SAPO_TAU)
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]

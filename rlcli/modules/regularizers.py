@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcli.modules.losses import LossInputs, PolicyLoss, RatioUnits, check_bounds
+from rlcli.modules.bounds import FLOAT32_MAX, check_bounds
+from rlcli.modules.losses import LossInputs, PolicyLoss, RatioUnits
 from rlcli.modules.metrics import MetricPartials, document_mean_numerator, labelled_extreme
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -40,6 +41,8 @@ CORRECTION_LEVELS = ("token", "sequence", "geometric")
 # broken log-prob (a sampler's -9999 placeholder) gives a huge but finite metric, whose document
 # mean cannot overflow float64. Every log-ratio below it is exact.
 METRIC_LOG_RATIO_MAX = 600.0
+# the coefficients of the KL and entropy terms: a float32 number, else coef x 0 is already NaN
+TERM_COEF = {"ge": 0, "le": FLOAT32_MAX}
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -54,7 +57,7 @@ class KLPenalty:
     The metric ``kl_ref`` (k3, whatever the estimator) is reported whenever reference log-probs
     are given, also with ``coef = 0``."""
 
-    coef: float = field(default=0.0, metadata={"ge": 0})
+    coef: float = field(default=0.0, metadata=TERM_COEF)
     estimator: str = "k3"
 
     def __post_init__(self):
@@ -87,7 +90,7 @@ class Correction:
 class _EntropyCoef:
     """Only to check ``entropy_coef`` with the bounds and messages of every other option."""
 
-    entropy_coef: float = field(default=0.0, metadata={"ge": 0})
+    entropy_coef: float = field(default=0.0, metadata=TERM_COEF)
 
     def __post_init__(self):
         check_bounds(self)

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from rlcli.errors import UserError
+from rlcli.modules.bounds import TEMPERATURE, check_value
 
 __all__ = [
     "Completion",
@@ -76,8 +77,7 @@ class Sampler(Protocol):
 
 def check_sampling_options(temperature: float, top_p: float, top_k: int) -> None:
     """Raise ``ValueError`` naming the first invalid sampling option."""
-    if not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    check_value("temperature", temperature, TEMPERATURE)
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
@@ -105,7 +105,8 @@ def _truncate(log_p: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
         sorted_lp, order = log_p.sort(dim=-1, descending=True)  # [B, V]
         mass = sorted_lp.exp().cumsum(-1)  # [B, V]
         mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)  # [B, V]
-        drop_sorted = mass_before >= top_p  # [B, V]: the smallest prefix holding top_p; keeps the first
+        drop_sorted = mass_before >= top_p  # [B, V]: the smallest prefix holding top_p
+        drop_sorted[:, 0] = False  # also when top_p is below float32's smallest number
         drop = drop_sorted.scatter(-1, order, drop_sorted)  # [B, V] back in vocabulary order
         log_p = log_p.masked_fill(drop, float("-inf"))
     return log_p

@@ -156,8 +156,8 @@ class ReverseTask(_AnswerTask):
     def __init__(self, min_len: int = 1, max_len: int = 2, alphabet: str = "abcd") -> None:
         if not 1 <= min_len <= max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-        if ">" in alphabet:
-            raise ValueError("alphabet must not contain '>', the separator")
+        if not alphabet or ">" in alphabet:
+            raise ValueError(f"alphabet must have letters and no '>', the separator; got {alphabet!r}")
         self.min_len = min_len
         self.max_len = max_len
         self.tokenizer = CharTokenizer(alphabet + ">")

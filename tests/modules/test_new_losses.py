@@ -25,6 +25,7 @@ from test_invariance import _micro_batches, _random_pieces, _split_run
 from test_loss_registry import _case
 
 from rlcli.modules import LOSSES, finalize_metrics, fused_micro_batch_loss, make_loss, policy_loss
+from rlcli.modules.bounds import FLOAT32_MAX, FLOAT32_TINY
 from rlcli.modules.losses import CISPO, SAPO, GSPOToken
 
 TOL = 1e-10  # float64 against the reference
@@ -87,14 +88,18 @@ def test_the_three_losses_are_registered_with_their_options():
 
 
 @pytest.mark.parametrize(("loss", "options", "message"), [
-    ("cispo", dict(eps_high=-0.1), r"^eps_high must be a finite number >= 0; got -0.1$"),
-    ("cispo", dict(eps_high=math.inf), r"^eps_high must be a finite number >= 0; got inf$"),
+    ("cispo", dict(eps_high=-0.1), r"^eps_high must be a number in \[0, 3.40282e\+38\]; got -0.1$"),
+    ("cispo", dict(eps_high=math.inf), r"^eps_high must be a number in \[0, 3.40282e\+38\]; got inf$"),
+    ("cispo", dict(eps_high=1e39), r"^eps_high must be a number in \[0, 3.40282e\+38\]; got 1e\+39$"),
     ("cispo", dict(eps_low=0.1), r"^eps_low is not an option of loss 'cispo'; it takes eps_high$"),
-    ("sapo", dict(tau_pos=0), r"^tau_pos must be a finite number > 0; got 0$"),
-    ("sapo", dict(tau_neg=-1.0), r"^tau_neg must be a finite number > 0; got -1.0$"),
+    ("sapo", dict(tau_pos=0), r"^tau_pos must be a number in \[1.17549e-38, 3.40282e\+38\]; got 0$"),
+    ("sapo", dict(tau_neg=-1.0), r"^tau_neg must be a number in \[1.17549e-38, 3.40282e\+38\]; got -1.0$"),
+    # τ and the gate's height 4/τ must be float32 numbers
+    ("sapo", dict(tau_pos=1e-38), r"^tau_pos must be a number in \[1.17549e-38, 3.40282e\+38\]; got 1e-38$"),
+    ("sapo", dict(tau_neg=1e39), r"^tau_neg must be a number in \[1.17549e-38, 3.40282e\+38\]; got 1e\+39$"),
     ("sapo", dict(tau=1.0), r"^tau is not an option of loss 'sapo'; it takes tau_pos, tau_neg$"),
     ("gspo_token", dict(eps_low=1), r"^eps_low must be a number in \[0, 1\); got 1$"),
-    ("gspo_token", dict(eps_high=math.nan), r"^eps_high must be a finite number >= 0; got nan$"),
+    ("gspo_token", dict(eps_high=math.nan), r"^eps_high must be a number in \[0, 3.40282e\+38\]; got nan$"),
 ])
 def test_options_out_of_bounds_raise_naming_them(loss, options, message):
     step = make_step(0)
@@ -342,3 +347,38 @@ def test_extreme_log_ratios_give_a_finite_loss_and_gradient(loss, magnitude):
     assert torch.isfinite(ref_value) and rel_err(results[F64][0], ref_value) <= TOL
     if magnitude == 80.0:  # e^800 is inf: there autograd of the plain formula gives inf·0 = NaN
         assert rel_err(results[F64][1], ref_grad) <= TOL
+
+
+F32_EDGES = [  # (loss, options at the edge of their bounds, one option just past it)
+    ("grpo", dict(eps_high=FLOAT32_MAX), ("eps_high", 1e39)),
+    ("gspo", dict(eps_high=FLOAT32_MAX), ("eps_high", 1e39)),
+    ("gspo_token", dict(eps_high=FLOAT32_MAX), ("eps_high", 1e39)),
+    ("cispo", dict(eps_high=FLOAT32_MAX), ("eps_high", 1e39)),
+    ("sapo", dict(tau_pos=4 / FLOAT32_MAX, tau_neg=FLOAT32_MAX), ("tau_pos", FLOAT32_TINY)),
+    ("sapo", dict(tau_pos=FLOAT32_MAX, tau_neg=4 / FLOAT32_MAX), ("tau_pos", 1e39)),
+]
+
+
+@pytest.mark.parametrize(("loss", "options", "past"), F32_EDGES, ids=[f"{n}-{p[0]}={p[1]:g}" for n, _, p in F32_EDGES])
+def test_the_float32_bounds_of_the_options_are_where_a_float32_loss_breaks(loss, options, past):
+    """At its bound an option still gives a finite float32 loss and gradient; just past it (set on the
+    frozen object, past the check) the same step fails or turns non-finite, so the bound is no stricter
+    than it must be."""
+    torch.manual_seed(0)
+    lp = -3 * torch.rand(16)  # [16]
+    old, adv = lp + torch.randn(16), 2 * torch.rand(16) - 1  # log-ratios around ±1, advantages in [-1, 1]
+    mask, doc = torch.ones(16), torch.arange(16) // 4
+
+    def run(objective):
+        leaf = lp.clone().requires_grad_(True)
+        value, _ = policy_loss(leaf, old, adv, mask, doc, loss=objective)
+        value.backward()
+        return torch.isfinite(value).item() and torch.isfinite(leaf.grad).all().item()
+
+    at_edge = make_loss(loss, **options)
+    assert run(at_edge)
+    object.__setattr__(at_edge, *past)
+    try:
+        assert not run(at_edge)
+    except RuntimeError as err:  # torch refuses a clamp bound beyond float32
+        assert "overflow" in str(err)

@@ -333,7 +333,8 @@ def test_a_gradient_with_the_entropy_bonus_pushes_the_entropy_up():
 # --------------------------------------------------------------------------------------------
 
 OPTION_ERRORS = [
-    (lambda: KLPenalty(coef=-0.1), r"^coef must be a finite number >= 0; got -0.1$"),
+    (lambda: KLPenalty(coef=-0.1), r"^coef must be a number in \[0, 3.40282e\+38\]; got -0.1$"),
+    (lambda: KLPenalty(coef=1e39), r"^coef must be a number in \[0, 3.40282e\+38\]; got 1e\+39$"),  # inf x 0 = NaN
     (lambda: KLPenalty(coef=math.nan), r"^coef must be"),
     (lambda: KLPenalty(coef=math.inf), r"^coef must be"),
     (lambda: KLPenalty(coef=True), r"^coef must be"),
@@ -346,7 +347,8 @@ OPTION_ERRORS = [
     (lambda: Correction(high=0.0), r"^high must be"),
     (lambda: Correction(high=math.inf), r"^high must be"),
     (lambda: Correction(low=3.0, high=2.0), r"^low must be <= high; got low=3.0, high=2.0$"),
-    (lambda: Terms.of(entropy_coef=-0.01), r"^entropy_coef must be a finite number >= 0; got -0.01$"),
+    (lambda: Terms.of(entropy_coef=-0.01), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got -0.01$"),
+    (lambda: Terms.of(entropy_coef=1e39), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got 1e\+39$"),
     (lambda: Terms.of(entropy_coef=math.nan), r"^entropy_coef must be"),
     (lambda: Terms.of(entropy_coef="0.1"), r"^entropy_coef must be"),
     (lambda: Terms.of(kl=0.1), r"^kl must be a KLPenalty or None"),

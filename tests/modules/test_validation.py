@@ -49,6 +49,7 @@ OPTION_ERRORS = [
     (dict(aggregation="constant", divisor=math.inf), "divisor"),
     (dict(aggregation="constant", divisor=-math.inf), "divisor"),
     (dict(aggregation="constant", divisor="512"), "divisor"),
+    (dict(aggregation="constant", divisor=5e-324), "divisor"),  # 0 in float32: the weights 1 / (divisor·D) are inf
     (dict(aggregation="token_mean", divisor=1.0), "divisor"),
     (dict(aggregation="sample_mean", divisor=512), "divisor"),
     (dict(aggregation="prompt_mean", divisor=1.0), "divisor"),
@@ -58,6 +59,7 @@ OPTION_ERRORS = [
     (dict(eps_low=math.nan), "eps_low"),
     (dict(eps_high=-0.1), "eps_high"),
     (dict(eps_high=-1e-9), "eps_high"),
+    (dict(eps_high=1e39), "eps_high"),
     (dict(eps_high=math.nan), "eps_high"),
     (dict(eps_high=math.inf), "eps_high"),
 ]

@@ -97,6 +97,7 @@ def test_truncation_keeps_the_top_tokens():
     assert kept(0.9, 0) == [True, True, True, False]
     assert kept(0.99, 0) == [True, True, True, True]
     assert kept(0.9, 1) == [True, False, False, False]
+    assert kept(5e-324, 0) == [True, False, False, False]  # 0 as a float32: the top token stays
     shuffled = log_p[:, [2, 0, 3, 1]]  # the nucleus is found whatever the vocabulary order
     assert torch.isfinite(_truncate(shuffled, 0.6, 0))[0].tolist() == [False, True, False, True]
 

@@ -110,7 +110,8 @@ def test_prompts_depend_only_on_the_rng():
 
 @pytest.mark.parametrize(
     ("task_class", "options"),
-    [(AdditionTask, dict(max_digits=0)), (ReverseTask, dict(min_len=3, max_len=2)), (ReverseTask, dict(alphabet="a>"))],
+    [(AdditionTask, dict(max_digits=0)), (ReverseTask, dict(min_len=3, max_len=2)), (ReverseTask, dict(alphabet="a>")),
+     (ReverseTask, dict(alphabet=""))],
 )
 def test_bad_task_options(task_class, options):
     with pytest.raises(ValueError):

@@ -1,0 +1,56 @@
+"""Numeric bounds of options, kept in dataclass field metadata (keys ``ge``/``gt``/``le``/``lt``).
+
+The library checks them with `check_bounds`, the config validator (`rlcli.conf.validate`) reads the
+same metadata. The loss terms compute in float32 at least, so a number they compute with has to be a
+float32 number: past `FLOAT32_MAX` it turns into inf (or torch refuses it as a bound), and a divisor
+below `FLOAT32_TINY` loses its precision and then flushes to 0.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import fields
+from numbers import Real
+
+import torch
+
+# field metadata key -> (test, how a message spells it)
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32
+INT64 = torch.iinfo(torch.int64)  # the integers torch, numpy and Lightning take
+
+# the LM head and the sampler divide float32 logits by the temperature
+TEMPERATURE = {"ge": FLOAT32_TINY, "le": FLOAT32_MAX}
+
+
+def describe(bounds: dict[str, float]) -> str:
+    """``{"ge": 0, "lt": 1}`` -> ``"a number in [0, 1)"``; ``{"ge": 0}`` -> ``"a finite number >= 0"``."""
+    low = next((key for key in ("ge", "gt") if key in bounds), None)
+    high = next((key for key in ("le", "lt") if key in bounds), None)
+    if low and high:
+        return f"a number in {'[(' [low == 'gt']}{bounds[low]:g}, {bounds[high]:g}{'])'[high == 'lt']}"
+    return "a finite number " + " and ".join(f"{BOUNDS[key][1]} {bound:g}" for key, bound in bounds.items())
+
+
+def within(value, bounds: dict[str, float]) -> bool:
+    """Whether ``value`` is a finite real number (not a bool) within ``bounds``."""
+    return (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+            and all(BOUNDS[key][0](value, bound) for key, bound in bounds.items()))
+
+
+def check_value(name: str, value, bounds: dict[str, float]) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number within ``bounds``."""
+    if not within(value, bounds):
+        raise ValueError(f"{name} must be {describe(bounds)}; got {value!r}")
+
+
+def check_bounds(options) -> None:
+    """Raise ``ValueError`` naming the first field of the dataclass instance ``options`` that is not a
+    finite number within the bounds of its metadata. Fields without bounds are not checked."""
+    for f in fields(options):
+        bounds = {key: f.metadata[key] for key in BOUNDS if key in f.metadata}
+        if bounds:
+            check_value(f.name, getattr(options, f.name), bounds)
