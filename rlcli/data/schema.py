@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcli.data.errors import RecordError
+from rlcli.modules.bounds import FLOAT32_MAX  # 3.4028234663852886e+38, the largest float32
 
 __all__ = ["FLOAT32_MAX", "FLOAT32_RANGE", "RecordError", "Rollout", "validate_record"]
 
-FLOAT32_MAX = float.fromhex("0x1.fffffep+127")  # 3.4028234663852886e+38, the largest float32
 # Log-probs and advantages become float32 tensors (`rlcli.data.packing`): a value beyond ±FLOAT32_MAX,
 # finite here in float64, would be infinite there and turn a whole step's loss into ±inf or NaN.
 FLOAT32_RANGE = f"outside the float32 range ±{FLOAT32_MAX!r} that training computes in"
