@@ -430,7 +430,7 @@ def runnable_commands(draw) -> list[str]:
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(runnable_commands())
 def test_drawn_configs_that_validate_run_or_exit_2_without_traceback(tmp_path_factory, overrides):
     """A step of `rlcli train` on a drawn config that validated: exit 0, or 2 with one message."""
