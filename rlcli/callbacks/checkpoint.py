@@ -15,15 +15,8 @@ import lightning as L
 
 from rlcli.callbacks.checkpoint_io import StorageError, storage_error
 from rlcli.callbacks.resume import RunIdentity
+from rlcli.loggers.atomic import fsync
 from rlcli.training import distributed
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_atomically(trainer: L.Trainer, path: Path) -> None:
@@ -37,9 +30,9 @@ def save_atomically(trainer: L.Trainer, path: Path) -> None:
         failure = trainer.strategy.checkpoint_io.take_failure()
         if failure is None:
             try:
-                _fsync(partial)
+                fsync(partial)
                 os.replace(partial, path)
-                _fsync(path.parent)
+                fsync(path.parent)
             except OSError as err:
                 partial.unlink(missing_ok=True)
                 failure = storage_error(path, err)

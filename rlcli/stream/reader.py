@@ -36,7 +36,7 @@ from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.data.writers import to_record
-from rlcli.loggers.atomic import replace_text
+from rlcli.loggers.atomic import keep_lines
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import unread
 from rlcli.stream.records import decode, encode, rejected_key
@@ -200,11 +200,7 @@ class StreamReader:
     def _forget_rejections_to_repeat(self) -> None:
         """Undo the rejections that will be made again: the lines after the checkpoint's count in
         ``rejected_path``, and this consumer's ``<stream>:rejected`` entries of records still pending."""
-        if self.rejections:
-            kept = self.rejected_path.read_text(encoding="utf-8").splitlines(keepends=True)[: self.rejections]
-            replace_text(self.rejected_path, "".join(kept))
-        else:
-            self.rejected_path.unlink(missing_ok=True)
+        keep_lines(self.rejected_path, self.rejections)
         o = self.options
         pending = {p["message_id"] for p in self.conn.call("xpending_range", o.stream, o.group, min="-", max="+",
                                                            count=2**31 - 1, consumername=self.consumer)}

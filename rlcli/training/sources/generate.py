@@ -12,7 +12,7 @@ from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
-from rlcli.loggers.atomic import replace_text
+from rlcli.loggers.atomic import keep_lines
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import build_sampler
 from rlcli.training.sources.base import DataKind, StepSource
@@ -47,9 +47,7 @@ class OnPolicySource(StepSource):
     def load_state_dict(self, state: dict) -> None:
         if self.save_to is not None and "saved" in state:  # (a checkpoint of an older rlcli has no count)
             self.saved = state["saved"]
-            kept = self.save_to.read_text(encoding="utf-8").splitlines(keepends=True)[: self.saved] \
-                if self.save_to.is_file() else []
-            replace_text(self.save_to, "".join(kept))
+            keep_lines(self.save_to, self.saved)
 
 
 def _number(node, key):
