@@ -4,8 +4,9 @@ import errno
 import sys
 from contextlib import contextmanager
 
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # the file does not fit
 # a file the system would not let the run write or read: full, over quota, read-only, not permitted
-REFUSED_BY_STORAGE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM})
+REFUSED_BY_STORAGE = DISK_FULL | {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class UserError(Exception):

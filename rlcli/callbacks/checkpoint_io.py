@@ -17,21 +17,18 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from rlcli.errors import UserError
+from rlcli.errors import DISK_FULL, UserError
 
 
 class StorageError(UserError):
     """The run cannot write a file: a full disk, a quota, a read-only or unwritable directory."""
 
 
-FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the file does not fit
-
-
 def storage_error(path: str | Path, err: OSError, needed: int | None = None) -> StorageError:
     """One line naming the file and what the system said, e.g. ``cannot write X: No space left on device``;
     with ``needed`` (bytes), a full disk also says how much the file needs and how much is free."""
     reason = err.strerror or str(err)
-    if needed is not None and err.errno in FULL:
+    if needed is not None and err.errno in DISK_FULL:
         try:
             free = shutil.disk_usage(Path(path).parent).free
             reason += f" (it needs about {_mib(needed)}; {_mib(free)} free there)"
