@@ -5,10 +5,8 @@ by a live run is refused."""
 from __future__ import annotations
 
 import fcntl
-import os
 import resource
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,9 +68,7 @@ def _limit_file_size() -> None:
 def test_a_write_that_fails_midway_leaves_no_partial_file_and_every_process_exits(tmp_path, processes):
     distributed = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"] if processes == 2 else []
     args = ["train", "hydra.run.dir=run", "trainer.max_steps=3", *CHECKPOINTED, *distributed]
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, "-m", "rlcli", *args], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600, preexec_fn=_limit_file_size)
+    result = run_rlcli(args, tmp_path, preexec_fn=_limit_file_size)
     one_clear_message(result, "File too large")
     assert "step-1.ckpt" in result.stderr
     assert checkpoint_names(tmp_path / "run") == []

@@ -21,13 +21,14 @@ def compose_train_config(overrides: list[str] = ()):
 
 
 def run_rlcli(
-    args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled", extra_env: dict | None = None
+    args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled", extra_env: dict | None = None,
+    preexec_fn=None,
 ) -> subprocess.CompletedProcess:
-    """``python -m rlcli ARGS`` in ``cwd``, output captured; wandb never goes online."""
+    """``python -m rlcli ARGS`` in ``cwd``, output captured; wandb never goes online. ``preexec_fn`` runs in
+    the child before it starts (e.g. to set a resource limit)."""
     env = dict(os.environ, WANDB_MODE=wandb_mode, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "rlcli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "rlcli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=preexec_fn)
 
 
 def descendants(pid: int) -> set[int]:
