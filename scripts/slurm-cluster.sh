@@ -54,6 +54,15 @@ die_with_log() {
     exit 1
 }
 
+# Does process $1 run?  A zombie does not: a killed daemon is reparented to
+# PID 1, which may take seconds to reap it (it does inside gVisor).
+proc_running() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    [[ -n $stat && ${stat:0:1} != Z && ${stat:0:1} != X ]]
+}
+
 # Is the process in pidfile $1 alive and named $2?  The name check keeps a
 # stale pid file whose pid was reused by something else from counting.
 pid_alive() {
@@ -61,8 +70,8 @@ pid_alive() {
     [[ -r $pidfile ]] || return 1
     pid=$(<"$pidfile") || return 1
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ -r /proc/$pid/comm ]] || return 1
-    [[ $(</proc/"$pid"/comm) == "$name" ]]
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$name" ]] || return 1
+    proc_running "$pid"
 }
 
 # Poll command "$@" until it succeeds or $TIMEOUT seconds pass.
@@ -70,6 +79,24 @@ wait_for() {
     local deadline=$((SECONDS + TIMEOUT))
     until "$@" >/dev/null 2>&1; do
         ((SECONDS < deadline)) || return 1
+        sleep 0.5
+    done
+}
+
+# wait_up NAME PIDFILE LOGFILE WHAT CMD...: poll CMD until it succeeds; die
+# at once if daemon NAME has exited (its pid file is there, or should be
+# after 5 s, and names no live NAME), or after $TIMEOUT s saying WHAT failed.
+# The caller removes any stale pid file before starting the daemon.
+wait_up() {
+    local name=$1 pidfile=$2 logfile=$3 what=$4
+    shift 4
+    local deadline=$((SECONDS + TIMEOUT)) grace=$((SECONDS + 5))
+    until "$@" >/dev/null 2>&1; do
+        if [[ -e $pidfile ]] || ((SECONDS >= grace)); then
+            pid_alive "$pidfile" "$name" \
+                || die_with_log "$name" "$logfile" "exited while starting"
+        fi
+        ((SECONDS < deadline)) || die_with_log "$name" "$logfile" "$what after ${TIMEOUT}s"
         sleep 0.5
     done
 }
@@ -85,10 +112,10 @@ stop_pidfile() {
     pid=$(<"$pidfile")
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < 60; i++)); do
-        [[ -e /proc/$pid ]] || break
+        proc_running "$pid" || break
         sleep 0.5
     done
-    if [[ -e /proc/$pid ]]; then
+    if proc_running "$pid"; then
         note "$name (pid $pid) ignored SIGTERM for 30 s; killing it"
         kill -KILL "$pid" 2>/dev/null || true
     fi
@@ -115,12 +142,19 @@ ensure_packages() {
         || die "missing ${missing[*]} and no apt-get to install them"
     note "missing ${missing[*]}; installing slurm-wlm slurmdbd munge mariadb-server"
     apt-get update -q >/dev/null || die "apt-get update failed"
-    # The packages' postinst scripts may try to start their daemons through
-    # /etc/init.d; that is harmless, since ours use other paths/ports or
-    # reuse a running munged.
+    # Without a policy-rc.d the packages' postinst scripts start their
+    # daemons through /etc/init.d (a system MariaDB on 3306, a munged...);
+    # this script starts its own, so forbid that for the install's duration.
+    local policy=/usr/sbin/policy-rc.d made_policy=0 rc=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\n# temporary, from rlcli scripts/slurm-cluster.sh\nexit 101\n' >"$policy"
+        chmod 755 "$policy"
+        made_policy=1
+    fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        slurm-wlm slurmdbd munge mariadb-server >/dev/null \
-        || die "apt-get install of slurm-wlm slurmdbd munge mariadb-server failed"
+        slurm-wlm slurmdbd munge mariadb-server >/dev/null || rc=$?
+    ((made_policy)) && rm -f "$policy"
+    ((rc == 0)) || die "apt-get install of slurm-wlm slurmdbd munge mariadb-server failed (exit $rc)"
     for b in "${missing[@]}"; do
         [[ $b == *.so ]] && continue
         command -v "$b" >/dev/null 2>&1 || die "$b is still missing after apt-get install"
@@ -150,6 +184,7 @@ write_if_changed() {
 
 SLURM_CONF_CHANGED=0
 SLURMDBD_CONF_CHANGED=0
+MYCNF_CHANGED=0
 NODE=
 
 write_configs() {
@@ -215,6 +250,8 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=6819
 JobCompType=jobcomp/none
+# No mail on this box; the default /usr/bin/mail is absent and logs an error.
+MailProg=/bin/true
 JobRequeue=1
 # A node that was DOWN (e.g. slurmd restarted) becomes usable again as soon as
 # its slurmd registers with a valid configuration.
@@ -271,11 +308,13 @@ bind-address=127.0.0.1
 port=$DB_PORT
 skip-log-bin
 # Sizes slurmdbd asks for (it warns below them), kept small for a test box.
-innodb_buffer_pool_size=128M
+innodb_buffer_pool_size=256M
 innodb_log_file_size=64M
 innodb_lock_wait_timeout=900
 [client]
-socket=$DBSOCK" 600 || true
+socket=$DBSOCK" 600 \
+        && MYCNF_CHANGED=1
+    return 0
 }
 
 # ---------------------------------------------------------------- daemons
@@ -301,10 +340,11 @@ start_munge() {
     touch "$LOG/munged.log"
     chown munge:munge "$LOG/munged.log"
     chmod 640 "$LOG/munged.log"
+    rm -f "$MUNGE_SOCKET_DIR/munged.pid"
     runuser -u munge -- munged --log-file="$LOG/munged.log" \
         --pid-file="$MUNGE_SOCKET_DIR/munged.pid" >>"$LOG/munged.log" 2>&1 \
         || die_with_log munged "$LOG/munged.log" "munged failed to start"
-    wait_for munge_works || die_with_log munged "$LOG/munged.log" "no answer on its socket after ${TIMEOUT}s"
+    wait_up munged "$MUNGE_SOCKET_DIR/munged.pid" "$LOG/munged.log" "no answer on its socket" munge_works
     # Remember that this script started it, so that `stop` stops it.
     cp "$MUNGE_SOCKET_DIR/munged.pid" "$RUN/munged.pid"
     echo "started munged"
@@ -315,6 +355,10 @@ db_sql() {
 }
 
 start_mariadb() {
+    if pid_alive "$RUN/mariadbd.pid" mariadbd && ((MYCNF_CHANGED)); then
+        note "my.cnf changed; restarting mariadbd"
+        stop_pidfile "$RUN/mariadbd.pid" mariadbd >/dev/null
+    fi
     if ! pid_alive "$RUN/mariadbd.pid" mariadbd; then
         if [[ ! -d $DIR/mysql/mysql ]]; then
             # root@localhost authenticates through the socket as the OS root.
@@ -322,9 +366,10 @@ start_mariadb() {
                 >>"$LOG/mariadb.log" 2>&1 \
                 || die_with_log mariadbd "$LOG/mariadb.log" "mariadb-install-db failed"
         fi
+        rm -f "$RUN/mariadbd.pid"
         setsid mariadbd --defaults-file="$MYCNF" </dev/null >>"$LOG/mariadb.log" 2>&1 &
-        wait_for mariadb-admin --defaults-file="$MYCNF" -u root ping \
-            || die_with_log mariadbd "$LOG/mariadb.log" "not answering after ${TIMEOUT}s"
+        wait_up mariadbd "$RUN/mariadbd.pid" "$LOG/mariadb.log" "not answering a ping" \
+            mariadb-admin --defaults-file="$MYCNF" -u root ping
         echo "started mariadbd"
     fi
     local pass
@@ -350,11 +395,11 @@ start_slurmdbd() {
         stop_pidfile "$RUN/slurmdbd.pid" slurmdbd >/dev/null
     fi
     if ! pid_alive "$RUN/slurmdbd.pid" slurmdbd; then
+        rm -f "$RUN/slurmdbd.pid"
         slurmdbd >>"$LOG/slurmdbd.log" 2>&1 \
             || die_with_log slurmdbd "$LOG/slurmdbd.log" "slurmdbd failed to start"
         # Its first start creates the tables, which takes a few seconds.
-        wait_for sacctmgr_works \
-            || die_with_log slurmdbd "$LOG/slurmdbd.log" "sacctmgr cannot reach it after ${TIMEOUT}s"
+        wait_up slurmdbd "$RUN/slurmdbd.pid" "$LOG/slurmdbd.log" "sacctmgr cannot reach it" sacctmgr_works
         echo "started slurmdbd"
     fi
     # slurmctld reports to accounting only for a cluster known there.
@@ -375,20 +420,25 @@ start_slurmctld() {
         stop_pidfile "$RUN/slurmctld.pid" slurmctld >/dev/null
     fi
     if ! pid_alive "$RUN/slurmctld.pid" slurmctld; then
+        rm -f "$RUN/slurmctld.pid"
         slurmctld >>"$LOG/slurmctld.log" 2>&1 \
             || die_with_log slurmctld "$LOG/slurmctld.log" "slurmctld failed to start"
-        wait_for slurmctld_up \
-            || die_with_log slurmctld "$LOG/slurmctld.log" "scontrol ping does not see it UP after ${TIMEOUT}s"
+        wait_up slurmctld "$RUN/slurmctld.pid" "$LOG/slurmctld.log" "scontrol ping does not see it UP" slurmctld_up
         echo "started slurmctld"
     fi
 }
 
+# The node's state as sinfo prints it (idle, mixed, drained...), or nothing
+# while slurmctld does not answer; never fails, so callers may assign it.
 node_state() {
-    sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n 1
+    sinfo -h -N -n "$NODE" -o %T 2>/dev/null | head -n 1 || true
 }
 
-node_idle() {
-    [[ $(node_state) == idle ]]
+node_usable() {
+    case $(node_state) in
+        idle | mixed | allocated | completing) return 0 ;;
+    esac
+    return 1
 }
 
 start_slurmd() {
@@ -397,6 +447,7 @@ start_slurmd() {
         stop_pidfile "$RUN/slurmd.pid" slurmd >/dev/null
     fi
     if ! pid_alive "$RUN/slurmd.pid" slurmd; then
+        rm -f "$RUN/slurmd.pid"
         slurmd -N "$NODE" >>"$LOG/slurmd.log" 2>&1 \
             || die_with_log slurmd "$LOG/slurmd.log" "slurmd failed to start"
         echo "started slurmd"
@@ -410,14 +461,14 @@ start_slurmd() {
         scontrol update nodename="$NODE" state=resume || true
     fi
     # Busy (allocated/mixed/completing) counts as up: start is then a no-op.
-    local deadline=$((SECONDS + TIMEOUT))
-    while :; do
-        state=$(node_state)
-        case $state in
-            idle | mixed | allocated | completing) break ;;
-        esac
-        ((SECONDS < deadline)) \
-            || die_with_log slurmd "$LOG/slurmd.log" "node $NODE is '${state:-unknown}', not idle, after ${TIMEOUT}s (see also $LOG/slurmctld.log)"
+    local deadline=$((SECONDS + TIMEOUT)) grace=$((SECONDS + 5))
+    until node_usable; do
+        if [[ -e $RUN/slurmd.pid ]] || ((SECONDS >= grace)); then
+            pid_alive "$RUN/slurmd.pid" slurmd \
+                || die_with_log slurmd "$LOG/slurmd.log" "exited while starting"
+        fi
+        ((SECONDS < deadline)) || die_with_log slurmd "$LOG/slurmd.log" \
+            "node $NODE is '$(node_state)', not idle, after ${TIMEOUT}s (see also $LOG/slurmctld.log)"
         sleep 0.5
     done
 }
@@ -443,10 +494,20 @@ cmd_start() {
 }
 
 cmd_stop() {
-    # Jobs first go with their node's slurmd gone? No: slurmstepd processes
-    # outlive slurmd, so cancel what runs before stopping the controller.
+    # A job's slurmstepd outlives slurmd, so cancel the jobs first, or their
+    # processes would linger after the cluster is gone.
+    local jobs i
     if pid_alive "$RUN/slurmctld.pid" slurmctld; then
-        scancel --full --quiet --user=root 2>/dev/null || true
+        jobs=$(squeue -h -o %A 2>/dev/null || true)
+        if [[ -n $jobs ]]; then
+            # shellcheck disable=SC2086  # one job id per word
+            scancel --quiet $jobs 2>/dev/null || true
+            # Give them KillWait (10 s) and a little to end.
+            for ((i = 0; i < 30; i++)); do
+                [[ -z $(squeue -h -t RUNNING,COMPLETING -o %A 2>/dev/null) ]] && break
+                sleep 0.5
+            done
+        fi
     fi
     stop_pidfile "$RUN/slurmd.pid" slurmd
     stop_pidfile "$RUN/slurmctld.pid" slurmctld
@@ -472,7 +533,7 @@ cmd_status() {
         fi
     done
     if pid_alive "$RUN/slurmctld.pid" slurmctld; then
-        sinfo -N -o '%N %P %T %c CPUs %m MB' 2>/dev/null || true
+        sinfo -N -h -o 'node %N, partition %P: %T, %c CPUs, %m MB' 2>/dev/null || true
     fi
     return "$all"
 }
