@@ -6,7 +6,6 @@ import argparse
 import os
 import signal
 import sys
-import warnings
 
 USAGE = """usage: rlcli <command> [args]
 
@@ -57,6 +56,9 @@ def _hydra_app(name: str, args: list[str]) -> int:
     config error."""
     import importlib
 
+    from rlcli.conf import quiet_local_config_folder
+    from rlcli.errors import CLUSTER_FAILURE, ClusterError
+
     errors = _group_override_errors(args)
     if errors:
         from rlcli.conf.validate import ConfigError
@@ -65,8 +67,7 @@ def _hydra_app(name: str, args: list[str]) -> int:
         return 2
     app = importlib.import_module(f"rlcli.{name}")
     sys.argv = [sys.argv[0], *args]
-    # the local config folder on Hydra's search path (rlcli_local/) is optional
-    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
+    quiet_local_config_folder()
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises what fails before the task, for us to report
     try:
         app.hydra_main()
@@ -74,6 +75,9 @@ def _hydra_app(name: str, args: list[str]) -> int:
         if exit.code == 1 and not app.task_started:
             return 2
         return exit.code if isinstance(exit.code, int) else 1
+    except ClusterError as err:  # the driver of a Slurm sweep
+        print(f"rlcli {name}: error: {err}", file=sys.stderr)
+        return CLUSTER_FAILURE
     except Exception as err:
         if app.task_started:
             raise

@@ -13,6 +13,14 @@ class UserError(Exception):
     """A mistake in the user's config, data or model: fix the input, not the code."""
 
 
+CLUSTER_FAILURE = 3  # the exit code of `rlcli train -m launcher=slurm` when Slurm did not run the sweep through
+
+
+class ClusterError(Exception):
+    """Slurm did not run a sweep through: it refused the submission, never started a job, or a job ended
+    without its result (cancelled, failed on a node, timed out too often)."""
+
+
 @contextmanager
 def exit_on_user_error(command: str):
     """Inside a command: a `UserError`, or a file the storage refused, becomes one line

@@ -1,4 +1,4 @@
-"""SIGTERM, SIGUSR1 (Slurm's preemption and time-limit warnings) and SIGINT (Ctrl-C) in `rlcli train`.
+"""SIGTERM (preemption), SIGUSR1 and SIGUSR2 (time-limit warnings) and SIGINT (Ctrl-C) in `rlcli train`.
 
 One mechanism in every process of a run: a signal never interrupts the code where it is (no
 KeyboardInterrupt inside a collective, no handler of Lightning's). The command holds the signals
@@ -26,12 +26,14 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from rlcli.processes import launcher
+from rlcli.slurm.requeue import TIME_LIMIT, requeue
 
 log = logging.getLogger("rlcli")
 
 # the exit code of a run a signal stopped: 128 + the signal's number, what shells and schedulers expect;
-# SIGUSR1, Slurm's warning before a time limit, stops a run as SIGTERM does
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, signal.SIGINT: 130}
+# SIGUSR1 (Lightning's choice for Slurm's warning before a time limit) stops a run as SIGTERM does, and
+# SIGUSR2 (submitit's choice) too, then hands a Slurm job over to its requeue (`rlcli.slurm.requeue`)
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, signal.SIGUSR2: 140, signal.SIGINT: 130}
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 
 
@@ -98,7 +100,8 @@ class RunSignals:
             log.warning("%s: %s", signum.name, message)
 
     def _end_start_up(self, signum: signal.Signals) -> None:
-        """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now."""
+        """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now (a Slurm
+        job at its time limit requeued first)."""
         rank_zero = launcher()
         if rank_zero is not None:
             try:
@@ -107,6 +110,12 @@ class RunSignals:
             except ProcessLookupError:
                 pass  # rank 0 is gone already
         log.warning("%s during start-up: nothing to save yet; exiting with code %d", signum.name, self.exit_code)
+        if signum == TIME_LIMIT:
+            try:
+                requeue(self._previous[signum])
+            except BaseException as err:  # submitit exits once it requeued, or raises why it did not
+                if not isinstance(err, SystemExit):
+                    log.error("%s", err)
         _flush_output()
         os._exit(self.exit_code)
 

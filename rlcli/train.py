@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import rlcli.conf  # noqa: F401  (the config's resolvers)
 from rlcli.errors import exit_on_user_error
 
 log = logging.getLogger("rlcli")
@@ -99,7 +101,11 @@ def hydra_main(cfg: DictConfig) -> None:
         module = train(cfg, Path(HydraConfig.get().runtime.output_dir))
         wait_for_launched(module.trainer)  # the processes rank 0 started end before it does
     from rlcli.callbacks.preemption import stop_code
+    from rlcli.signals import EXIT_CODES
+    from rlcli.slurm.requeue import TIME_LIMIT, requeue
 
     code = stop_code(module.trainer)
+    if code == EXIT_CODES[TIME_LIMIT]:
+        requeue(signal.getsignal(TIME_LIMIT))  # the handler in force before the run's, back now
     if code and module.global_rank == 0:
         sys.exit(code)  # other ranks exit 0, so that no launcher kills rank 0 first

@@ -89,3 +89,16 @@ class EndsLate(L.Callback):
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
             (Path(trainer.default_root_dir) / f"ended-{self.rank}").touch()
+
+
+class WaitForFile(L.Callback):
+    """Every rank waits after training step ``step`` until the file ``path`` exists (at most 10 minutes), so
+    that a test can signal the run at a known step: a signal sent in the wait stops it after step ``step + 1``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        deadline = time.monotonic() + 600
+        while pl_module.steps_done == self.step and not self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)

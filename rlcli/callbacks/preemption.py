@@ -27,7 +27,8 @@ class StopOnSignal(L.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         # Lightning's own SIGTERM handler would stop without a checkpoint, and it runs a collective inside
-        # the handler: it is never installed, `rlcli.signals` handles every signal
+        # the handler; its SLURM auto-requeue would be a second requeue beside submitit's: neither is ever
+        # installed, `rlcli.signals` handles every signal
         trainer._signal_connector.register_signal_handlers = lambda: None
 
     def on_train_start(self, trainer, pl_module) -> None:

@@ -1,5 +1,6 @@
 """Hydra config groups of `rlcli train` (YAML files shipped as package data) and their schema."""
 
+import warnings
 from importlib.resources import files
 
 from omegaconf import OmegaConf
@@ -18,6 +19,17 @@ def ratio_denominator(correction_mode: str) -> str:
     return "sampler" if correction_mode == "none" else "recompute"
 
 
+def gpus_per_node(accelerator: str, devices: int) -> int | None:
+    """The GPUs a Slurm job asks of each node (``hydra.launcher.gpus_per_node``): one per process, none
+    (no ``--gpus-per-node`` at all) for a CPU run."""
+    return None if accelerator == "cpu" else devices
+
+
+def quiet_local_config_folder() -> None:
+    """The local config folder on Hydra's search path (``rlcli_local/``) is optional: no warning without it."""
+    warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")
+
+
 def build_target(spec: dict, key: str):
     """The object a validated config node's ``_target_`` names, built with its arguments; a failure
     (a wrong target or argument) is the user's to fix: `UserError` naming ``key``."""
@@ -34,6 +46,7 @@ def build_target(spec: dict, key: str):
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("rlcli_example", example_path, replace=True)
     OmegaConf.register_new_resolver("rlcli_ratio_denominator", ratio_denominator, replace=True)
+    OmegaConf.register_new_resolver("rlcli_gpus_per_node", gpus_per_node, replace=True)
 
 
 register_resolvers()

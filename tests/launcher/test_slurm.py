@@ -1,0 +1,197 @@
+"""Sweeps on a real one-node Slurm cluster (`scripts/slurm-cluster.sh`): submission with the defaults, the
+time-limit signal and `scontrol requeue` mid-run on 1 and 2 processes, and every way a sweep can fail on
+the cluster side. Where no cluster answers these tests are skipped, except in CI, which starts one."""
+
+from __future__ import annotations
+
+import csv
+import getpass
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fault_injection import FAULTS_ENV
+
+from rlcli.errors import CLUSTER_FAILURE
+
+pytestmark = pytest.mark.slow
+SWEEP = ["train", "-m", "launcher=slurm", "hydra.launcher.partition=debug", "trainer.accelerator=cpu",
+         "hydra.launcher.timeout_min=10"]
+# the default run on the default rollout files, many steps available
+SHORT = ["data=rollouts", "data.epochs=50", "trainer.accumulate_microbatches=1"]
+TWO_PROCESSES = ["trainer.devices=2", "strategy=ddp"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    """The cluster must answer; CI starts it (`make slurm-cluster`) before the tests."""
+    if shutil.which("scontrol") is None or subprocess.run(["scontrol", "ping"], capture_output=True).returncode:
+        if os.environ.get("CI"):
+            pytest.fail("no Slurm cluster answers, though CI starts one with `make slurm-cluster`")
+        pytest.skip("no Slurm cluster here: `make slurm-cluster` starts one (root, Debian)")
+
+
+@pytest.fixture(autouse=True)
+def no_jobs_left():
+    """A test that fails leaves no job behind to hold the node's CPUs."""
+    yield
+    subprocess.run(["scancel", "--user", getpass.getuser()], capture_output=True)
+
+
+class Sweep:
+    """``rlcli train -m launcher=slurm ...`` in ``cwd``, its output in a file."""
+
+    def __init__(self, cwd: Path, args: list[str]) -> None:
+        self.cwd, self.output = cwd, cwd / "driver.txt"
+        env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **FAULTS_ENV)
+        with self.output.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "rlcli", *SWEEP, *args], cwd=cwd, env=env,
+                                            stdout=out, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.output.read_text()
+
+    def wait_until(self, condition, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.process.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 600) -> str:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            self.process.kill()
+        return self.text()
+
+    def job(self, member: int = 0) -> str:
+        """The Slurm job id of a member (``JOB`` alone, ``ARRAY_INDEX`` in a sweep of several), once the driver
+        has named it."""
+        named = re.compile(rf"member #{member} \(Slurm job (\d+(?:_\d+)?)\)")
+        self.wait_until(lambda: named.search(self.text()))
+        return named.search(self.text()).group(1)
+
+    def members(self) -> list[Path]:
+        return sorted(self.cwd.glob("multirun/*/*/[0-9]"))
+
+
+def steps(run_dir: Path) -> list[int]:
+    with (run_dir / "metrics.csv").open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
+def has_steps(sweep: Sweep, count: int):
+    def done() -> bool:
+        members = sweep.members()
+        return bool(members) and (members[0] / "metrics.csv").is_file() and len(steps(members[0])) >= count
+    return done
+
+
+def test_a_cpu_sweep_with_the_defaults_runs_and_its_jobs_ask_for_no_gpu(tmp_path):
+    sweep = Sweep(tmp_path, ["loss=grpo,gspo", "trainer.max_steps=2", *SHORT])
+    output = sweep.finish()
+    assert sweep.process.returncode == 0, output[-3000:]
+    members = sweep.members()
+    assert [m.name for m in members] == ["0", "1"] and all(steps(m) == [1, 2] for m in members)
+    [script] = tmp_path.glob("multirun/*/*/.submitit/*/*_submission.sh")
+    text = script.read_text()
+    assert "--gpus-per-node" not in text and "gres" not in text
+    for line in ("#SBATCH --cpus-per-task=1", "#SBATCH --mem=8GB", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --partition=debug"):
+        assert line in text, (line, text)
+    for log in tmp_path.glob("multirun/*/*/.submitit/*/*_log.err"):
+        assert "rlcli_local is not available" not in log.read_text()
+    assert re.search(r"member #1 \(Slurm job \d+_1\): RUNNING", output)
+    assert re.search(r"member #1 \(Slurm job \d+_1\): COMPLETED", output)
+
+
+def _callbacks(*waits: tuple[int, Path]) -> list[str]:
+    entries = ", ".join(f"{{_target_: fault_injection.WaitForFile, step: {step}, path: '{path}'}}"
+                        for step, path in waits)
+    return ["allow_targets=[fault_injection]", f"callbacks=[{entries}]"]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(tmp_path, processes):
+    """The time-limit signal (SIGUSR2, as Slurm sends it to every task) in the pause after step 2, and
+    `scontrol requeue` (SIGTERM) in the pause after step 5 of the requeued job: each stops the run after
+    the next step with a checkpoint, and the job comes back and continues from it."""
+    limit, requeue = tmp_path / "limit.go", tmp_path / "requeue.go"
+    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *_callbacks((2, limit), (5, requeue)),
+                             *(TWO_PROCESSES + ["hydra.launcher.cpus_per_task=1"] if processes == 2 else [])])
+    job = sweep.job()
+    sweep.wait_until(has_steps(sweep, 2))
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    time.sleep(1)
+    limit.touch()
+    sweep.wait_until(has_steps(sweep, 5))
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    time.sleep(1)
+    requeue.touch()
+    output = sweep.finish()
+    assert sweep.process.returncode == 0, output[-3000:]
+    [member] = sweep.members()
+    assert steps(member) == list(range(1, 9))  # every step once, none lost, none repeated
+    log = "".join(p.read_text() for p in sorted(tmp_path.glob("multirun/*/*/.submitit/*/*_0_log.*")))
+    assert "stopped by a signal after step 3; checkpoint saved" in log
+    assert "stopped by a signal after step 6; checkpoint saved" in log
+    assert re.search(r"resuming from \S+step-3\.ckpt", log) and re.search(r"resuming from \S+step-6\.ckpt", log)
+    assert "Traceback" not in log
+
+
+def test_too_many_time_limits_end_the_sweep_with_one_message(tmp_path):
+    go = tmp_path / "go"
+    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *_callbacks((1, go)),
+                             "hydra.launcher.max_num_timeout=0"])
+    job = sweep.job()
+    sweep.wait_until(has_steps(sweep, 1))
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    time.sleep(1)
+    go.touch()
+    output = sweep.finish()
+    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
+    assert re.search(rf"rlcli train: error: member #0 \(Slurm job {job}; its log: \S+_log\.err\) was not requeued: "
+                     r"Job not requeued because: timed-out too many times\.", output), output[-2000:]
+    assert "Traceback" not in output
+    [member] = sweep.members()
+    assert (member / "checkpoints" / "step-2.ckpt").is_file()  # kept for a rerun
+
+
+def test_a_gpu_request_on_a_cpu_partition_is_refused_with_a_hint(tmp_path):
+    sweep = Sweep(tmp_path, ["trainer.accelerator=auto", "trainer.max_steps=2"])
+    output = sweep.finish()
+    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
+    assert "rlcli train: error: Slurm refused the sweep's jobs" in output
+    assert "a CPU run asks for none with trainer.accelerator=cpu" in output
+    assert "Traceback" not in output
+
+
+def test_a_sweep_no_job_of_which_can_start_is_cancelled_after_max_pending_min(tmp_path):
+    """More CPUs per task than the node has: Slurm takes the job and leaves it pending for ever."""
+    sweep = Sweep(tmp_path, ["trainer.max_steps=2", "hydra.launcher.max_pending_min=0.1",
+                             "hydra.launcher.cpus_per_task=64"])
+    output = sweep.finish()
+    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
+    assert re.search(r"member #0 \(Slurm job \d+\): PENDING \(PartitionConfig\)", output)
+    assert "no job of the sweep ran for hydra.launcher.max_pending_min=0.1 min, so they are cancelled" in output
+    assert not subprocess.run(["squeue", "--noheader"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_cancelled_member_and_a_member_with_a_bad_config_are_reported_apart(tmp_path):
+    sweep = Sweep(tmp_path, ["trainer.max_steps=1000", *SHORT[:-1], "data.epochs=50,-1",
+                             "hydra.launcher.array_parallelism=1"])
+    job = sweep.job(0)
+    sweep.wait_until(lambda: f"(Slurm job {job}): RUNNING" in sweep.text())
+    subprocess.run(["scancel", job], check=True)
+    output = sweep.finish()
+    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
+    assert re.search(rf"member #0 \(Slurm job {job}; its log: \S+\) ended CANCELLED", output), output[-2000:]
+    assert re.search(r"member #1 \(Slurm job \d+_1; its log: \S+\): Invalid configuration \(1 problem\):\n"
+                     r"  - data.epochs: ", output), output[-2000:]
+    assert "Traceback" not in output
