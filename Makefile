@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench
+.PHONY: setup train test test-fast bench slurm-cluster
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# a real one-node Slurm cluster on this machine (root, Debian/Ubuntu) for tests/launcher/test_slurm.py
+slurm-cluster:
+	scripts/slurm-cluster.sh start

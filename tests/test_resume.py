@@ -153,12 +153,10 @@ def test_resume_auto_skips_a_truncated_newest_checkpoint_and_ends_like_a_straigh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path, processes):
+def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """(Two processes killed and resumed: tests/stream/test_faults.py, tests/launcher/test_slurm.py.)"""
     common = ["data=rollouts", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1",
               "trainer.accumulate_microbatches=2", "data.max_tokens=128"]
-    if processes == 2:
-        common += ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
     straight = run_cli([*common, "hydra.run.dir=straight"], tmp_path)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
