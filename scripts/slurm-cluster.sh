@@ -389,19 +389,25 @@ sacctmgr_works() {
     sacctmgr -n -P show cluster format=cluster
 }
 
+# Run daemon $1 (the command line: $1 and its arguments), restarting it first when its config changed
+# ($CHANGED is 1); its pid file and log are $RUN/$1.pid and $LOG/$1.log.
+start_daemon() {
+    local name=$1
+    if pid_alive "$RUN/$name.pid" "$name" && ((CHANGED)); then
+        note "the config of $name changed; restarting it"
+        stop_pidfile "$RUN/$name.pid" "$name" >/dev/null
+    fi
+    if ! pid_alive "$RUN/$name.pid" "$name"; then
+        rm -f "$RUN/$name.pid"
+        "$@" >>"$LOG/$name.log" 2>&1 || die_with_log "$name" "$LOG/$name.log" "$name failed to start"
+        echo "started $name"
+    fi
+}
+
 start_slurmdbd() {
-    if pid_alive "$RUN/slurmdbd.pid" slurmdbd && ((SLURMDBD_CONF_CHANGED)); then
-        note "slurmdbd.conf changed; restarting slurmdbd"
-        stop_pidfile "$RUN/slurmdbd.pid" slurmdbd >/dev/null
-    fi
-    if ! pid_alive "$RUN/slurmdbd.pid" slurmdbd; then
-        rm -f "$RUN/slurmdbd.pid"
-        slurmdbd >>"$LOG/slurmdbd.log" 2>&1 \
-            || die_with_log slurmdbd "$LOG/slurmdbd.log" "slurmdbd failed to start"
-        # Its first start creates the tables, which takes a few seconds.
-        wait_up slurmdbd "$RUN/slurmdbd.pid" "$LOG/slurmdbd.log" "sacctmgr cannot reach it" sacctmgr_works
-        echo "started slurmdbd"
-    fi
+    CHANGED=$SLURMDBD_CONF_CHANGED start_daemon slurmdbd
+    # Its first start creates the tables, which takes a few seconds.
+    wait_up slurmdbd "$RUN/slurmdbd.pid" "$LOG/slurmdbd.log" "sacctmgr cannot reach it" sacctmgr_works
     # slurmctld reports to accounting only for a cluster known there.
     if ! sacctmgr -n -P show cluster format=cluster | grep -qxF "$CLUSTER"; then
         sacctmgr -i add cluster "$CLUSTER" >/dev/null \
@@ -415,17 +421,8 @@ slurmctld_up() {
 }
 
 start_slurmctld() {
-    if pid_alive "$RUN/slurmctld.pid" slurmctld && ((SLURM_CONF_CHANGED)); then
-        note "slurm.conf changed; restarting slurmctld"
-        stop_pidfile "$RUN/slurmctld.pid" slurmctld >/dev/null
-    fi
-    if ! pid_alive "$RUN/slurmctld.pid" slurmctld; then
-        rm -f "$RUN/slurmctld.pid"
-        slurmctld >>"$LOG/slurmctld.log" 2>&1 \
-            || die_with_log slurmctld "$LOG/slurmctld.log" "slurmctld failed to start"
-        wait_up slurmctld "$RUN/slurmctld.pid" "$LOG/slurmctld.log" "scontrol ping does not see it UP" slurmctld_up
-        echo "started slurmctld"
-    fi
+    CHANGED=$SLURM_CONF_CHANGED start_daemon slurmctld
+    wait_up slurmctld "$RUN/slurmctld.pid" "$LOG/slurmctld.log" "scontrol ping does not see it UP" slurmctld_up
 }
 
 # The node's state as sinfo prints it (idle, mixed, drained...), or nothing
@@ -442,16 +439,7 @@ node_usable() {
 }
 
 start_slurmd() {
-    if pid_alive "$RUN/slurmd.pid" slurmd && ((SLURM_CONF_CHANGED)); then
-        note "slurm.conf changed; restarting slurmd"
-        stop_pidfile "$RUN/slurmd.pid" slurmd >/dev/null
-    fi
-    if ! pid_alive "$RUN/slurmd.pid" slurmd; then
-        rm -f "$RUN/slurmd.pid"
-        slurmd -N "$NODE" >>"$LOG/slurmd.log" 2>&1 \
-            || die_with_log slurmd "$LOG/slurmd.log" "slurmd failed to start"
-        echo "started slurmd"
-    fi
+    CHANGED=$SLURM_CONF_CHANGED start_daemon slurmd -N "$NODE"
     # A node drained by an earlier run (e.g. "Kill task failed") would never
     # become idle by itself; resume it once.
     local state
