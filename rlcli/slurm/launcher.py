@@ -110,8 +110,8 @@ class SlurmSweepLauncher(submitit_launcher.SlurmLauncher):
                     reason = f" ({state.reason})" if state.reason not in ("None", "") else ""
                     log.info("member #%d (Slurm job %s): %s%s", number[job_id], job_id, state.state, reason)
                     seen[job_id] = state
-            if now is not None and not any(map(unfinished, now.values())):
-                return seen  # a job missing from the answer has ended long enough ago to be forgotten
+            if now is not None and seen.keys() == number.keys() and not any(map(unfinished, now.values())):
+                return seen  # a job seen before and missing now has ended long enough ago to be forgotten
             if now is None or any(s.state in RUNNING for s in now.values()):
                 last_ran = time.monotonic()
             elif self.max_pending_min is not None and time.monotonic() - last_ran > self.max_pending_min * 60:
@@ -148,6 +148,7 @@ class SlurmSweepLauncher(submitit_launcher.SlurmLauncher):
                     cluster.append(f"{where} ended {end.state}{reason}")
                 continue
             result = job.results()[0]
+            # (a failed JobReturn raises its exception when asked for its value: look at it without raising)
             if result.status == JobStatus.FAILED and isinstance(result._return_value, UncompletedJobError):
                 cluster.append(f"{where} was not requeued: {result._return_value} (hydra.launcher.max_num_timeout="
                                f"{self.params['max_num_timeout']}, timeout_min={self.params['timeout_min']}); "
