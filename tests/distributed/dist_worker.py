@@ -45,6 +45,10 @@ def main(jobs_file: str, out_dir: str) -> None:
             exported = AutoModelForCausalLM.from_pretrained(out / job["name"] / "export")
             torch.save({k: v.detach().clone() for k, v in exported.state_dict().items()}, out / f"{job['name']}.pt")
         print(f"[dist_worker] job {job['name']} took {time.perf_counter() - started:.1f} s", flush=True)
+    # gloo's threads end before the interpreter does: left to exit, one can abort the process (SIGABRT,
+    # "terminate called without an active exception"), seen once in CI
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
