@@ -10,7 +10,7 @@ checks come from the code that uses them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 
@@ -157,8 +157,10 @@ class RolloutConfig:
     temperature: float = bounded(**TEMPERATURE)
     top_p: float = bounded(gt=0, le=1)
     top_k: int = bounded(ge=0)
+    engine: Literal["hf", "vllm"]
     save: bool
     stop: list[Union[str, int]]  # strings and token ids
+    vllm: Any  # keyword arguments of vllm.LLM (a mapping; see rlcli.rollout.vllm_engine)
 
 
 @dataclass

@@ -294,6 +294,7 @@ def _check_rules(cfg: DictConfig, problems: list[str]) -> None:
             users = [name for name, k in DATA_KINDS.items() if group in k.groups]
             problems.append(f"{group}: only used with data={'|'.join(users)}")
     _check_loss_terms(cfg, problems)
+    _check_rollout_engine(cfg, problems)
     _check_model(_group(cfg, "model"), _group(cfg, "trainer"), problems)
     subdir = _group(_group(cfg, "logger"), "tensorboard").get("subdir")
     if isinstance(subdir, str) and (PurePath(subdir).is_absolute() or ".." in PurePath(subdir).parts):
@@ -338,6 +339,28 @@ def _check_model(model: DictConfig, trainer: DictConfig, problems: list[str]) ->
     elif hidden // heads % 2:
         problems.append(f"model.num_heads: {heads} heads of model.hidden_size={hidden} get {hidden // heads} "
                         "dimensions each; rotary position embeddings need an even number")
+
+
+def _check_rollout_engine(cfg: DictConfig, problems: list[str]) -> None:
+    """What ``rollout.engine=vllm`` needs: its options as a mapping without the keys rlcli sets, and no
+    truncated sampling unless the mismatch correction weighs the sampler's log-probs."""
+    from rlcli.rollout.vllm_engine import OWNED_OPTIONS
+
+    rollout = _group(cfg, "rollout")
+    if rollout.get("engine") != "vllm":
+        return
+    options = rollout.get("vllm")
+    if not isinstance(options, DictConfig):
+        problems.append(f"rollout.vllm: expected keyword arguments of vllm.LLM (a mapping), got {_describe(options)}")
+    else:
+        for key in sorted(set(options.keys()) & set(OWNED_OPTIONS)):
+            problems.append(f"rollout.vllm.{key}: rlcli sets it ({OWNED_OPTIONS[key]}); remove it")
+    top_p, top_k = rollout.get("top_p"), rollout.get("top_k")
+    truncated = (isinstance(top_p, (int, float)) and top_p < 1) or (isinstance(top_k, int) and top_k > 0)
+    if truncated and _group(cfg, "correction").get("mode", "none") == "none":
+        problems.append(f"rollout.top_p/top_k: vLLM's log-probs with top_p={top_p}, top_k={top_k} are those of the "
+                        "truncated distribution, not the trainer's; turn on the mismatch correction "
+                        "(correction.mode=truncate or mask) or sample without truncation")
 
 
 def _check_loss_terms(cfg: DictConfig, problems: list[str]) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "build_sampler",
     "check_sampling_options",
     "sample_completions",
+    "stop_options",
 ]
 
 
@@ -290,25 +291,25 @@ class HFSampler:
         )
 
 
-def build_sampler(model: torch.nn.Module, rollout: Any, tokenizer: Any) -> HFSampler:
-    """The `HFSampler` of ``rollout``'s options (``temperature``, ``top_p``, ``top_k``, ``stop``) for a
-    task's ``tokenizer``: the strings of ``rollout.stop`` are searched in the text ``tokenizer.decode``
-    gives; its ids and the tokenizer's own ``stop_ids`` (if it has any) end completions like eos.
-    A stop that cannot work is a `UserError`."""
+def stop_options(rollout: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """The ``stop_strings``, ``stop_ids`` and ``decode`` of a sampler for ``rollout.stop`` and a task's
+    ``tokenizer``: the strings of ``rollout.stop`` are searched in the text ``tokenizer.decode`` gives;
+    its ids and the tokenizer's own ``stop_ids`` (if it has any) end completions like eos. A stop that
+    cannot work is a `UserError`."""
     strings = [s for s in rollout.stop if isinstance(s, str)]
     ids = [s for s in rollout.stop if not isinstance(s, str)]
-    vocab_size = model.get_output_embeddings().weight.shape[0]
     if "" in strings:
         raise UserError("rollout.stop: an empty stop string would end every completion at its first token")
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
         raise UserError(f"rollout.stop: ids {outside} are outside the model's vocabulary (0..{vocab_size - 1})")
-    return HFSampler(
-        model,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        stop_strings=strings,
-        stop_ids=(*ids, *getattr(tokenizer, "stop_ids", ())),
-        decode=tokenizer.decode,
-    )
+    return {"stop_strings": strings, "stop_ids": (*ids, *getattr(tokenizer, "stop_ids", ())),
+            "decode": tokenizer.decode}
+
+
+def build_sampler(model: torch.nn.Module, rollout: Any, tokenizer: Any) -> HFSampler:
+    """The `HFSampler` of ``rollout``'s options (``temperature``, ``top_p``, ``top_k``, ``stop``, see
+    `stop_options`) for a task's ``tokenizer``."""
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    return HFSampler(model, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                     **stop_options(rollout, tokenizer, vocab_size))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
@@ -15,6 +15,8 @@ from rlcli.errors import UserError
 from rlcli.loggers.atomic import keep_lines
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import build_sampler
+from rlcli.rollout.vllm_engine import VLLMEngine
+from rlcli.rollout.vllm_sampler import build_vllm_sampler
 from rlcli.training.sources.base import DataKind, StepSource
 from rlcli.training.step import CollectedStep
 
@@ -32,6 +34,9 @@ class OnPolicySource(StepSource):
 
     def next_step(self, step: int, device: torch.device) -> CollectedStep:
         documents, stats = self.rollouts.generate(step)
+        sync_seconds = getattr(self.rollouts.sampler, "sync_seconds", None)  # a colocated vLLM engine's
+        if sync_seconds is not None:
+            stats["weight_sync_time"] = sync_seconds
         if self.save_to is not None:
             if self.saved is None:  # a fresh run: whatever an earlier run left there goes
                 self.save_to.unlink(missing_ok=True)
@@ -100,7 +105,11 @@ class OnPolicyGeneration(DataKind):
         cfg, r = self.cfg, self.cfg.rollout
 
         def make_source(rank: int, world_size: int) -> OnPolicySource:
-            sampler = build_sampler(policy, r, self.task.tokenizer)
+            if r.engine == "vllm":  # this process's own engine, fed the policy's weights before every sampling
+                engine = VLLMEngine.for_policy(policy, OmegaConf.to_container(r.vllm))
+                sampler = build_vllm_sampler(engine, r, self.task.tokenizer, policy=policy)
+            else:
+                sampler = build_sampler(policy, r, self.task.tokenizer)
             generator = OnPolicyRollouts(
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,

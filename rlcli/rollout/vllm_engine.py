@@ -1,0 +1,118 @@
+"""vLLM as the sampling engine: one `vllm.LLM` per process, whose weights rlcli loads itself.
+
+The engine is built from the policy's config alone (``load_format="dummy"``) and gets its weights
+through `VLLMEngine.load_weights`: the colocated trainer hands it the policy's parameters before
+every sampling (no files), a sampler process the safetensors of each published version. The engine
+core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights are copied once,
+within memory. Its log-probs are always vLLM's ``processed_logprobs``: those of the temperature-scaled
+distribution a token was drawn from, the trainer's ``lp_t`` (SPEC §2) when nothing truncates it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcli.errors import UserError
+
+__all__ = ["CPU_HEAD_SIZES", "OWNED_OPTIONS", "VLLMEngine", "checkpoint_weights"]
+
+log = logging.getLogger("rlcli")
+
+# the vllm.LLM arguments rlcli sets itself, and why
+OWNED_OPTIONS = {
+    "model": "the policy's own architecture",
+    "tokenizer": "rlcli passes token ids; the task's tokenizer decodes",
+    "skip_tokenizer_init": "rlcli passes token ids",
+    "load_format": "rlcli loads the weights itself",
+    "logprobs_mode": "always processed_logprobs, the log-probs at the sampling temperature",
+}
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what vLLM's CPU attention takes
+CPU_KV_CACHE_BYTES = 1 << 30  # rollout.vllm.kv_cache_memory_bytes=null on CPU (vLLM's own default is most of the RAM)
+INSTALL_HINT = ("on a CPU machine `make setup-vllm` (or pip install 'rlcli[vllm]' next to the CPU torch); "
+                "on a GPU machine pip install vllm")
+
+
+def _import_vllm():
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights load in memory
+    try:
+        import vllm
+    except ImportError as err:
+        raise UserError(f"rollout.engine=vllm: vLLM cannot be imported ({err}); {INSTALL_HINT}") from None
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # its start-up chatter; rlcli says what matters
+    return vllm
+
+
+def _check_head_size(config: Any) -> None:
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not torch.cuda.is_available() and head not in CPU_HEAD_SIZES:
+        raise UserError(
+            f"model: attention heads of {head} dimensions; vLLM's CPU attention takes {list(CPU_HEAD_SIZES)} only "
+            "(with model=tiny choose model.num_heads so that model.hidden_size / model.num_heads is one of them)"
+        )
+
+
+def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in the ``*.safetensors`` files of a Hugging Face checkpoint."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+class VLLMEngine:
+    """An in-process vLLM engine with ``config``'s architecture (a transformers ``PretrainedConfig``
+    naming its ``architectures``) and random weights until `load_weights`. ``options`` are keyword
+    arguments of ``vllm.LLM`` (``rollout.vllm``), none of `OWNED_OPTIONS`."""
+
+    def __init__(self, config: Any, options: Mapping[str, Any]) -> None:
+        vllm = _import_vllm()
+        _check_head_size(config)
+        options = dict(options)
+        if options.get("kv_cache_memory_bytes") is None and not torch.cuda.is_available():
+            options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self.vocab_size = config.vocab_size
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="rlcli-vllm-") as folder:
+            config.save_pretrained(folder)
+            try:
+                self.llm = vllm.LLM(model=folder, skip_tokenizer_init=True, load_format="dummy",
+                                    logprobs_mode="processed_logprobs", **options)
+            except TypeError as err:  # an unknown keyword in rollout.vllm
+                raise UserError(f"rollout.vllm: {err}") from None
+        log.info("vLLM engine ready in %.1f s", time.perf_counter() - started)
+
+    @classmethod
+    def for_policy(cls, policy: torch.nn.Module, options: Mapping[str, Any]) -> VLLMEngine:
+        """An engine shaped like ``policy`` (a bare Hugging Face causal LM), holding its weights."""
+        config = policy.config.__class__.from_dict(policy.config.to_dict())
+        config.architectures = [type(policy).__name__]
+        engine = cls(config, options)
+        engine.load_weights(policy.named_parameters())
+        return engine
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy ``(name, tensor)`` pairs, named as in a Hugging Face checkpoint, into the engine; the seconds."""
+        started = time.perf_counter()
+        with torch.no_grad():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        return time.perf_counter() - started
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
+        """vLLM's ``RequestOutput`` of each prompt (token ids) under its ``SamplingParams``, in order."""
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        return self.llm.generate(requests, list(params), use_tqdm=False)

@@ -1,0 +1,109 @@
+"""`VLLMSampler`: the `rlcli.rollout.sampler.Sampler` protocol on a `rlcli.rollout.vllm_engine.VLLMEngine`.
+
+Each completion is one vLLM request with its own seed, drawn from the caller's generator, so a
+seeded generator and the same weights give the same completions again. Stop ids end a request in
+vLLM (the token kept, eos only as one of them); stop strings are found afterwards in the text the
+task's ``decode`` gives, and the completion is cut after the token that completes one: the tokens
+kept are drawn exactly as if the request had stopped there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlcli.rollout.sampler import Completion, StopStrings, check_sampling_options, stop_options
+from rlcli.rollout.vllm_engine import VLLMEngine
+
+__all__ = ["VLLMSampler", "build_vllm_sampler"]
+
+SEED_BOUND = 1 << 62  # per-request seeds are drawn below this
+
+
+class VLLMSampler:
+    """Samples with ``engine``. With ``policy`` (the colocated trainer's bare module) every `sample`
+    first loads the policy's current parameters into the engine, so it never samples stale weights;
+    without, the caller loads each new version (`VLLMEngine.load_weights`). Log-probs are vLLM's
+    processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation."""
+
+    def __init__(
+        self,
+        engine: VLLMEngine,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_strings: Sequence[str] = (),
+        stop_ids: Sequence[int] = (),
+        decode: Callable[[Sequence[int]], str] | None = None,
+        policy: torch.nn.Module | None = None,
+    ) -> None:
+        check_sampling_options(temperature, top_p, top_k)
+        if stop_strings and decode is None:
+            raise ValueError("stop_strings need a decode function")
+        self.engine = engine
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.stop_strings = tuple(stop_strings)
+        self.stop_ids = tuple(stop_ids)
+        self.decode = decode
+        self.policy = policy
+        self.sync_seconds: float | None = None  # of the last load of the policy's weights
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        pad_id: int,
+        generator: torch.Generator,
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("need at least one prompt, each with at least one token")
+        if self.policy is not None:
+            self.sync_seconds = self.engine.load_weights(self.policy.named_parameters())
+        stops = sorted({*stop_ids, *self.stop_ids})
+        seeds = torch.randint(0, SEED_BOUND, (len(prompts),), generator=generator).tolist()
+        params = [
+            SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
+                           max_tokens=max_new_tokens, logprobs=0, ignore_eos=True, stop_token_ids=stops,
+                           detokenize=False)
+            for seed in seeds
+        ]
+        completions = []
+        for output in self.engine.generate(prompts, params):
+            drawn = output.outputs[0]
+            ids = list(drawn.token_ids)
+            logprobs = [position[token].logprob for position, token in zip(drawn.logprobs, ids)]
+            completion = Completion(ids=ids, logprobs=logprobs, stopped=bool(ids) and ids[-1] in stops)
+            completions.append(self._cut_at_stop_string(completion))
+        return completions
+
+    def _cut_at_stop_string(self, completion: Completion) -> Completion:
+        if not self.stop_strings:
+            return completion
+        finder = StopStrings(self.stop_strings, self.decode, batch=1)
+        for length, token in enumerate(completion.ids, 1):
+            if finder.ended([token], [True]):
+                return Completion(completion.ids[:length], completion.logprobs[:length], stopped=True)
+        return completion
+
+
+def build_vllm_sampler(
+    engine: VLLMEngine, rollout: Any, tokenizer: Any, *, policy: torch.nn.Module | None = None
+) -> VLLMSampler:
+    """The `VLLMSampler` of ``rollout``'s options (as `rlcli.rollout.sampler.build_sampler`'s) on ``engine``."""
+    return VLLMSampler(engine, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                       policy=policy, **stop_options(rollout, tokenizer, engine.vocab_size))
