@@ -8,10 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_module
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def require_vllm() -> None:
+    """Skip the calling test where vLLM cannot be imported, except in CI, which installs it (`make setup-vllm`)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("vLLM cannot be imported, though CI installs it with `make setup-vllm`")
+        pytest.skip("vLLM is not installed here: `make setup-vllm` installs it into .venv")
 
 
 def compose_train_config(overrides: list[str] = ()):

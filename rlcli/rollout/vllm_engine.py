@@ -110,6 +110,13 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         return time.perf_counter() - started
 
+    def close(self) -> None:
+        """Free the engine and the process group vLLM set up in this process."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        del self.llm
+        cleanup_dist_env_and_memory()
+
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
         """vLLM's ``RequestOutput`` of each prompt (token ids) under its ``SamplingParams``, in order."""
         from vllm.inputs import TokensPrompt

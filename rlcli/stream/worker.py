@@ -87,6 +87,8 @@ class SamplerWorker:
 
     def close(self) -> None:
         self.writer.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def _wait_for_room(self) -> str | None:
         """Wait until a round may be pushed (None), the trainer is done (``"final"``) or ``stop()``."""

