@@ -272,6 +272,14 @@ def test_a_mismatch_correction_makes_the_ratio_use_the_trainer_log_probs():
         # a node that builds an object is a _target_ and its arguments
         (["callbacks=[1]"], "callbacks[0]: expected a _target_ and its arguments ({_target_: ..., ...}), got 1"),
         (["callbacks=[{every: 2}]"], "callbacks[0]: expected a _target_ and its arguments"),
+        # vLLM's log-probs are those of the truncated distribution; rlcli owns the engine's log-prob mode
+        (["rollout.engine=vllm", "rollout.top_p=0.9"], "rollout.top_p/top_k: vLLM's log-probs with top_p=0.9, top_k=0"),
+        (["rollout.engine=vllm", "rollout.top_k=5"], "rollout.top_p/top_k: vLLM's log-probs with top_p=1.0, top_k=5"),
+        (["rollout.engine=vllm", "+rollout.vllm.logprobs_mode=raw_logprobs"],
+         "rollout.vllm.logprobs_mode: rlcli sets it (always processed_logprobs"),
+        (["rollout.engine=vllm", "rollout.vllm=3"], "rollout.vllm: expected keyword arguments of vllm.LLM"),
+        (["rollout.engine=vllm", "trainer.devices=2", "strategy=ddp"],
+         "rollout.engine: a colocated vLLM engine samples in one process"),
     ],
 )
 def test_values_that_broke_a_run_are_refused_naming_their_key(overrides, expected):
@@ -289,6 +297,8 @@ def test_values_that_broke_a_run_are_refused_naming_their_key(overrides, expecte
         ["trainer.precision=bf16-true", "model.dtype=float16"],
         ["callbacks=[{_target_: rlcli.callbacks.console.RichConsole}]"],
         ["logger=tensorboard", "logger.tensorboard.subdir=tb/run"],
+        ["rollout.engine=vllm", "rollout.top_k=5", "rollout.top_p=0.9", "correction.mode=truncate"],
+        ["rollout.engine=vllm", "+rollout.vllm.max_num_seqs=64"],
     ],
 )
 def test_values_at_the_edges_of_the_new_rules_pass(overrides):

@@ -83,6 +83,10 @@ class OnPolicyGeneration(DataKind):
         if prompts is not None and minibatches is not None and minibatches > prompts * processes:
             problems.append(f"trainer.minibatches: {minibatches} is more than the {prompts * processes} groups of a "
                             "batch (rollout.prompts_per_step per process); a group is never split between updates")
+        rollout = cfg.get("rollout")
+        if isinstance(rollout, DictConfig) and rollout.get("engine") == "vllm" and processes > 1:
+            problems.append(f"rollout.engine: a colocated vLLM engine samples in one process, not {processes}; "
+                            "to sample with vLLM for more training processes, run `rlcli loop rollout.engine=vllm`")
         sampled, scored = _number(cfg.get("rollout"), "temperature"), _number(cfg.get("loss"), "temperature")
         if sampled is not None and scored is not None and sampled != scored:
             problems.append(
