@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ INSTALL_HINT = ("on a CPU machine `make setup-vllm` (or pip install 'rlcli[vllm]
 def _import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: weights load in memory
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its start-up chatter; rlcli says what matters
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also what it logs while importing
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")  # deprecations inside vLLM
     try:
         import vllm
     except ImportError as err:
@@ -92,6 +95,8 @@ class VLLMEngine:
                                     logprobs_mode="processed_logprobs", **options)
             except TypeError as err:  # an unknown keyword in rollout.vllm
                 raise UserError(f"rollout.vllm: {err}") from None
+            except ValueError as err:  # vLLM's own checks of the model and the options
+                raise UserError(f"rollout.engine=vllm: vLLM cannot build an engine for this model: {err}") from None
         log.info("vLLM engine ready in %.1f s", time.perf_counter() - started)
 
     @classmethod
