@@ -1,8 +1,8 @@
 """`VLLMSampler`: the `rlcli.rollout.sampler.Sampler` protocol on a `rlcli.rollout.vllm_engine.VLLMEngine`.
 
 Each completion is one vLLM request with its own seed, drawn from the caller's generator, so a
-seeded generator and the same weights give the same completions again. Stop ids end a request in
-vLLM (the token kept, eos only as one of them); stop strings are found afterwards in the text the
+seeded generator and the same weights give the same completions again. Stop ids (eos is one of them,
+the model's own eos is ignored) end a request in vLLM, the token kept; stop strings are found afterwards in the text the
 task's ``decode`` gives, and the completion is cut after the token that completes one: the tokens
 kept are drawn exactly as if the request had stopped there.
 """
