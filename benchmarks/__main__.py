@@ -14,16 +14,20 @@ its own options: ``python -m benchmarks.NAME --help``.
   acknowledgement) against reading the same records from a file;
 * ``live_loop``: steps per minute and time to the default run's reward, ``rlcli loop`` with 1 and 2
   samplers against synchronous ``data=generate``.
+* ``vllm_sampling``: generated tokens per second of rlcli's HFSampler against the VLLMSampler on a tiny
+  and a 58M-parameter Llama, the vLLM engine's weight sync (from parameters, from a checkpoint) and
+  start time (needs vLLM; skipped when it is not installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
-from benchmarks import docs_per_step, live_loop, lm_head, loss_terms, stream_queue, throughput
+from benchmarks import docs_per_step, live_loop, lm_head, loss_terms, stream_queue, throughput, vllm_sampling
 
 # the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
 DEFAULT_CHUNK_TOKENS = "auto"
@@ -58,8 +62,17 @@ def _live_loop(device: str, json_path: Path | None):
     return live_loop.main(["--json", str(json_path)] if json_path else [])
 
 
+def _vllm_sampling(device: str, json_path: Path | None):
+    if importlib.util.find_spec("vllm") is None:
+        print("skipped: vLLM is not installed (on a CPU machine `make setup-vllm`)")
+        return None
+    argv = ["--device", device]
+    return vllm_sampling.main(argv + (["--json", str(json_path)] if json_path else []))
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
-              "loss_terms": _loss_terms, "stream_queue": _stream_queue, "live_loop": _live_loop}
+              "loss_terms": _loss_terms, "stream_queue": _stream_queue, "live_loop": _live_loop,
+              "vllm_sampling": _vllm_sampling}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"## {name}", flush=True)
         part = args.json.with_suffix(f".{name}.json") if args.json else None
         BENCHMARKS[name](args.device, part)
-        if part is not None:
+        if part is not None and part.is_file():  # a skipped benchmark writes none
             results[name] = json.loads(part.read_text())
             part.unlink()
         print(flush=True)
