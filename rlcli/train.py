@@ -43,12 +43,13 @@ def train(cfg: DictConfig, run_dir: Path):
     ``run_dir/export``); returns the trained `PolicyModule`."""
     from contextlib import nullcontext
 
+    from rlcli.conf.validate import resolve_config, validate_config
+
+    resolved, cfg = resolve_config(cfg), validate_config(cfg)  # before Lightning's import: config errors come fast
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    from rlcli.conf.validate import resolve_config, validate_config
     from rlcli.run_lock import RunLock
 
-    resolved, cfg = resolve_config(cfg), validate_config(cfg)
     with RunLock(run_dir) if rank_zero_only.rank == 0 else nullcontext():
         return _train_locked(cfg, resolved, run_dir)
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
-
 from rlcli.modules import AGGREGATIONS, CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, METRIC_LEVELS, PolicyLoss
 from rlcli.modules.aggregation import DIVISOR
 from rlcli.modules.bounds import TEMPERATURE
 from rlcli.modules.regularizers import TERM_COEF
 from rlcli.rollout.advantages import ESTIMATORS
+
+# Lightning's seed_everything takes a uint32 seed (it seeds numpy); its constant lives in a module that
+# imports all of Lightning, which a config check need not wait for
+SEED_MAX = 2**32 - 1
 
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
@@ -269,7 +271,7 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = bounded(ge=min_seed_value, le=max_seed_value)  # what Lightning's seed_everything takes
+    seed: int = bounded(ge=0, le=SEED_MAX)
     resume: Optional[str]
     allow_targets: list[str]
     callbacks: list[Target]  # extra Lightning callbacks

@@ -10,7 +10,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlcli.conf.schema import LoggerConfig
-from rlcli.loggers.metrics_csv import MetricsCSVLogger
 
 
 def wandb_mode(configured: str | None) -> str:
@@ -47,6 +46,8 @@ def _hydra_run_names(run_dir: Path) -> tuple[str, str | None]:
 
 def build_loggers(cfg: LoggerConfig, resolved: DictConfig, run_dir: Path) -> list:
     """``metrics.csv`` and the loggers ``cfg`` turns on; wandb records the whole ``resolved`` config."""
+    from rlcli.loggers.metrics_csv import MetricsCSVLogger  # imports Lightning: only when a run starts
+
     loggers = [MetricsCSVLogger(run_dir / "metrics.csv")]
     if cfg.wandb is not None:
         from lightning.pytorch.loggers import WandbLogger

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from rlcli.errors import UserError
 from rlcli.modules.bounds import TEMPERATURE, check_value
@@ -172,6 +171,8 @@ def sample_completions(
         raise ValueError("need at least one prompt, each with at least one token")
     if stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function")
+    from transformers import DynamicCache
+
     strings = StopStrings(stop_strings, decode, len(prompts)) if stop_strings else None
     device = next(model.parameters()).device
     stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)  # [S]

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from rlcli.data.document_stream import DocumentStream
 from rlcli.data.errors import DataError
@@ -57,6 +56,8 @@ class RolloutFiles(DataKind):
             on_invalid=cfg.data.on_invalid,
         )
         if rejections:
+            from lightning.fabric.utilities.rank_zero import rank_zero_only  # not at the top: config checks import this
+
             path = self.run_dir / "rejected.jsonl"
             if rank_zero_only.rank == 0:  # every process reads every file: one writes what they all found
                 write_rejections(rejections, path)
