@@ -1,9 +1,10 @@
 """`rlcli sample`: one sampler of the live loop, a Hydra app over the same config as `rlcli train`.
 
-It reads ``task``, ``rollout.*``, ``advantage.*``, ``seed``, ``data.*`` (``data.url`` required) and
-``sample.*``, and runs a `rlcli.stream.worker.SamplerWorker` until the trainer announces its final
-weights (exit 0) or a SIGTERM (exit 0) / SIGINT (exit 130) ends it after the current round. The
-sampler's index among ``sample.workers`` comes from the environment variable ``RLCLI_SAMPLE_WORKER``
+It reads ``task``, ``rollout.*`` (``rollout.engine``: the built-in sampler or vLLM), ``advantage.*``,
+``seed``, ``data.*`` (``data.url`` required) and ``sample.*``, and runs a
+`rlcli.stream.worker.SamplerWorker` until the trainer announces its final weights (exit 0) or a
+SIGTERM (exit 0) / SIGINT (exit 130) ends it after the current round. The sampler's index among
+``sample.workers`` comes from the environment variable ``RLCLI_SAMPLE_WORKER``
 (default 0). Torch uses one thread unless ``OMP_NUM_THREADS`` says otherwise.
 """
 

@@ -26,6 +26,7 @@ __all__ = [
     "Completion",
     "HFSampler",
     "Sampler",
+    "SamplingOptions",
     "StopStrings",
     "build_sampler",
     "check_sampling_options",
@@ -233,17 +234,13 @@ def _completions(
     return result
 
 
-class HFSampler:
-    """A `Sampler` over a Hugging Face causal LM: `sample_completions` with these options.
-
-    ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights.
-    ``stop_ids`` end completions besides those each call names; ``stop_strings`` end them too,
-    found in the text ``decode`` gives (a task's ``tokenizer.decode``).
-    """
+class SamplingOptions:
+    """What a sampler takes besides its policy, checked: ``temperature``, ``top_p``/``top_k`` truncation,
+    ``stop_ids`` that end completions besides those each call names, and ``stop_strings`` that end them
+    too, found in the text ``decode`` gives (a task's ``tokenizer.decode``)."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
         *,
         temperature: float,
         top_p: float = 1.0,
@@ -255,13 +252,24 @@ class HFSampler:
         check_sampling_options(temperature, top_p, top_k)
         if stop_strings and decode is None:
             raise ValueError("stop_strings need a decode function")
-        self.model = model
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
         self.stop_strings = tuple(stop_strings)
         self.stop_ids = tuple(stop_ids)
         self.decode = decode
+
+
+class HFSampler(SamplingOptions):
+    """A `Sampler` over a Hugging Face causal LM: `sample_completions` with these options.
+
+    ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights.
+    ``options`` are `SamplingOptions`'.
+    """
+
+    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
+        super().__init__(**options)
+        self.model = model
 
     @property
     def vocab_size(self) -> int:

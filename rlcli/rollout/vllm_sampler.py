@@ -9,12 +9,12 @@ kept are drawn exactly as if the request had stopped there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlcli.rollout.sampler import Completion, StopStrings, check_sampling_options, stop_options
+from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, stop_options
 from rlcli.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["VLLMSampler", "build_vllm_sampler"]
@@ -22,34 +22,16 @@ __all__ = ["VLLMSampler", "build_vllm_sampler"]
 SEED_BOUND = 1 << 62  # per-request seeds are drawn below this
 
 
-class VLLMSampler:
+class VLLMSampler(SamplingOptions):
     """Samples with ``engine``. With ``policy`` (the colocated trainer's bare module) every `sample`
     first loads the policy's current parameters into the engine, so it never samples stale weights;
     without, the caller loads each new version (`VLLMEngine.load_weights`). Log-probs are vLLM's
-    processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation."""
+    processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation.
+    ``options`` are `SamplingOptions`'."""
 
-    def __init__(
-        self,
-        engine: VLLMEngine,
-        *,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_strings: Sequence[str] = (),
-        stop_ids: Sequence[int] = (),
-        decode: Callable[[Sequence[int]], str] | None = None,
-        policy: torch.nn.Module | None = None,
-    ) -> None:
-        check_sampling_options(temperature, top_p, top_k)
-        if stop_strings and decode is None:
-            raise ValueError("stop_strings need a decode function")
+    def __init__(self, engine: VLLMEngine, *, policy: torch.nn.Module | None = None, **options: Any) -> None:
+        super().__init__(**options)
         self.engine = engine
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.stop_strings = tuple(stop_strings)
-        self.stop_ids = tuple(stop_ids)
-        self.decode = decode
         self.policy = policy
         self.sync_seconds: float | None = None  # of the last load of the policy's weights
 
