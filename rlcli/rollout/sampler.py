@@ -29,9 +29,10 @@ __all__ = [
     "SamplingOptions",
     "StopStrings",
     "build_sampler",
+    "check_request",
     "check_sampling_options",
     "sample_completions",
-    "stop_options",
+    "sampling_options",
 ]
 
 
@@ -83,6 +84,14 @@ def check_sampling_options(temperature: float, top_p: float, top_k: int) -> None
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+
+
+def check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Raise ``ValueError`` unless there is at least one prompt, none empty, and ``max_new_tokens >= 1``."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, each with at least one token")
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
@@ -165,11 +174,8 @@ def sample_completions(
     (on any device), so a seeded generator reproduces the samples. Logits are taken in float32.
     The model runs in eval mode and gets its previous mode back.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_request(prompts, max_new_tokens)
     check_sampling_options(temperature, top_p, top_k)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("need at least one prompt, each with at least one token")
     if stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function")
     from transformers import DynamicCache
@@ -300,11 +306,11 @@ class HFSampler(SamplingOptions):
         )
 
 
-def stop_options(rollout: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
-    """The ``stop_strings``, ``stop_ids`` and ``decode`` of a sampler for ``rollout.stop`` and a task's
-    ``tokenizer``: the strings of ``rollout.stop`` are searched in the text ``tokenizer.decode`` gives;
-    its ids and the tokenizer's own ``stop_ids`` (if it has any) end completions like eos. A stop that
-    cannot work is a `UserError`."""
+def sampling_options(rollout: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """The `SamplingOptions` of ``rollout`` (``temperature``, ``top_p``, ``top_k``, ``stop``) for a task's
+    ``tokenizer`` and a policy of ``vocab_size`` ids: the strings of ``rollout.stop`` are searched in the
+    text ``tokenizer.decode`` gives; its ids and the tokenizer's own ``stop_ids`` (if it has any) end
+    completions like eos. A stop that cannot work is a `UserError`."""
     strings = [s for s in rollout.stop if isinstance(s, str)]
     ids = [s for s in rollout.stop if not isinstance(s, str)]
     if "" in strings:
@@ -312,13 +318,12 @@ def stop_options(rollout: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any
     outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
         raise UserError(f"rollout.stop: ids {outside} are outside the model's vocabulary (0..{vocab_size - 1})")
-    return {"stop_strings": strings, "stop_ids": (*ids, *getattr(tokenizer, "stop_ids", ())),
+    return {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
+            "stop_strings": strings, "stop_ids": (*ids, *getattr(tokenizer, "stop_ids", ())),
             "decode": tokenizer.decode}
 
 
 def build_sampler(model: torch.nn.Module, rollout: Any, tokenizer: Any) -> HFSampler:
-    """The `HFSampler` of ``rollout``'s options (``temperature``, ``top_p``, ``top_k``, ``stop``, see
-    `stop_options`) for a task's ``tokenizer``."""
+    """The `HFSampler` of ``rollout``'s `sampling_options` for a task's ``tokenizer``."""
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    return HFSampler(model, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                     **stop_options(rollout, tokenizer, vocab_size))
+    return HFSampler(model, **sampling_options(rollout, tokenizer, vocab_size))

@@ -10,6 +10,7 @@ distribution a token was drawn from, the trainer's ``lp_t`` (SPEC §2) when noth
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -102,7 +103,7 @@ class VLLMEngine:
     @classmethod
     def for_policy(cls, policy: torch.nn.Module, options: Mapping[str, Any]) -> VLLMEngine:
         """An engine shaped like ``policy`` (a bare Hugging Face causal LM), holding its weights."""
-        config = policy.config.__class__.from_dict(policy.config.to_dict())
+        config = copy.deepcopy(policy.config)
         config.architectures = [type(policy).__name__]
         engine = cls(config, options)
         engine.load_weights(policy.named_parameters())

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, stop_options
+from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, check_request, sampling_options
 from rlcli.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["VLLMSampler", "build_vllm_sampler"]
@@ -50,10 +50,7 @@ class VLLMSampler(SamplingOptions):
     ) -> list[Completion]:
         from vllm import SamplingParams
 
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("need at least one prompt, each with at least one token")
+        check_request(prompts, max_new_tokens)
         if self.policy is not None:
             self.sync_seconds = self.engine.load_weights(self.policy.named_parameters())
         stops = sorted({*stop_ids, *self.stop_ids})
@@ -86,6 +83,5 @@ class VLLMSampler(SamplingOptions):
 def build_vllm_sampler(
     engine: VLLMEngine, rollout: Any, tokenizer: Any, *, policy: torch.nn.Module | None = None
 ) -> VLLMSampler:
-    """The `VLLMSampler` of ``rollout``'s options (as `rlcli.rollout.sampler.build_sampler`'s) on ``engine``."""
-    return VLLMSampler(engine, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                       policy=policy, **stop_options(rollout, tokenizer, engine.vocab_size))
+    """The `VLLMSampler` of ``rollout``'s `sampling_options` for a task's ``tokenizer``, on ``engine``."""
+    return VLLMSampler(engine, policy=policy, **sampling_options(rollout, tokenizer, engine.vocab_size))
