@@ -107,7 +107,7 @@ class SlurmSweepLauncher(submitit_launcher.SlurmLauncher):
             now = states(list(number))  # None: squeue could not answer this time
             for job_id, state in (now or {}).items():
                 if seen.get(job_id) != state:
-                    reason = f" ({state.reason})" if state.reason not in ("None", "") else ""
+                    reason = f" ({state.reason})" if state.has_reason else ""
                     log.info("member #%d (Slurm job %s): %s%s", number[job_id], job_id, state.state, reason)
                     seen[job_id] = state
             if now is not None and seen.keys() == number.keys() and not any(map(unfinished, now.values())):
@@ -128,8 +128,10 @@ class SlurmSweepLauncher(submitit_launcher.SlurmLauncher):
         """Each member's JobReturn; one error naming every member that did not finish."""
         from submitit.core.utils import UncompletedJobError
 
-        lost = [job.job_id for job in jobs if not job.paths.result_pickle.exists()]
-        forgotten = [job_id for job_id in lost if unfinished(seen.get(job_id, MemberState("PENDING")))]
+        # the members without a result, each with the state squeue showed last (never seen: still pending)
+        lost = {job.job_id: seen.get(job.job_id, MemberState("PENDING"))
+                for job in jobs if not job.paths.result_pickle.exists()}
+        forgotten = [job_id for job_id, last in lost.items() if unfinished(last)]
         ends = {**seen, **(accounted(forgotten) if forgotten else {})}
         results, cluster, user = [], [], []
         for job, number in zip(jobs, numbers):
@@ -139,12 +141,11 @@ class SlurmSweepLauncher(submitit_launcher.SlurmLauncher):
                 if message is not None:
                     user.append(f"{where}: {message}")
                 elif ends[job.job_id].state == "UNKNOWN":
-                    last = seen.get(job.job_id, MemberState("PENDING")).state
-                    cluster.append(f"{where} left Slurm's queue while {last}, and Slurm's accounting has no record "
-                                   "of its end (cancelled before it started?)")
+                    cluster.append(f"{where} left Slurm's queue while {lost[job.job_id].state}, and Slurm's "
+                                   "accounting has no record of its end (cancelled before it started?)")
                 else:
                     end = ends[job.job_id]
-                    reason = f", reason {end.reason}" if end.reason not in ("None", "") else ""
+                    reason = f", reason {end.reason}" if end.has_reason else ""
                     cluster.append(f"{where} ended {end.state}{reason}")
                 continue
             result = job.results()[0]

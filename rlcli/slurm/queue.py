@@ -17,6 +17,11 @@ class MemberState:
     state: str  # Slurm's: PENDING, RUNNING, COMPLETED, CANCELLED (by UID), TIMEOUT, FAILED, NODE_FAIL, ...
     reason: str = "None"  # Slurm's reason for a pending member, e.g. Resources, Priority, PartitionConfig
 
+    @property
+    def has_reason(self) -> bool:
+        """Whether Slurm gave a reason (it says ``None`` or nothing when it has none)."""
+        return self.reason not in ("None", "")
+
 
 def _slurm(command: list[str]) -> str | None:
     """The output of a Slurm command; None when it fails (the controller busy or restarting)."""
