@@ -25,6 +25,21 @@ def require_vllm() -> None:
         pytest.skip("vLLM is not installed here: `make setup-vllm` installs it into .venv")
 
 
+def reverse_task_policy(seed: int, *, hidden_size: int, num_heads: int):
+    """A seeded float32 tiny Llama (2 layers) with the reverse task's vocabulary, as `model=tiny` builds it."""
+    import torch
+
+    from rlcli.conf.schema import TinyModelConfig
+    from rlcli.model.policy import build_policy
+    from rlcli.rollout.tasks import ReverseTask
+
+    torch.manual_seed(seed)
+    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                          num_layers=2, num_heads=num_heads, max_position_embeddings=64, dtype="float32",
+                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
+    return build_policy(cfg, default_vocab_size=ReverseTask().tokenizer.vocab_size)
+
+
 def compose_train_config(overrides: list[str] = ()):
     """The composed (unvalidated) `rlcli train` config, as Hydra builds it from the package."""
     with initialize_config_module(config_module="rlcli.conf", version_base="1.3"):

@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcli.conf.schema import TinyModelConfig
 from rlcli.errors import UserError
-from rlcli.model.policy import build_policy
 from rlcli.rollout.sampler import Completion
 from rlcli.rollout.tasks import ReverseTask
-from train_helpers import compose_train_config, require_vllm
+from train_helpers import compose_train_config, require_vllm, reverse_task_policy
 
 TEMPERATURE = 0.7
 OPTIONS = {"dtype": "float32", "enforce_eager": True}
@@ -28,12 +26,9 @@ TASK = ReverseTask()
 EOS = TASK.tokenizer.eos_id
 
 
-def tiny_policy(seed: int = 0, hidden_size: int = 64, num_heads: int = 2) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                          num_layers=2, num_heads=num_heads, max_position_embeddings=128, dtype="float32",
-                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
-    return build_policy(cfg, default_vocab_size=TASK.tokenizer.vocab_size)
+def tiny_policy(seed: int = 0, num_heads: int = 2) -> torch.nn.Module:
+    """The default tiny model's shape: 2 heads of 32."""
+    return reverse_task_policy(seed, hidden_size=64, num_heads=num_heads)
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig, TinyModelConfig
+from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.schema import validate_record
-from rlcli.model.policy import build_policy
 from rlcli.rollout.tasks import ReverseTask
 from rlcli.sample import with_stream_data
 from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.stream.records import decode
 from rlcli.stream.worker import SamplerWorker
-from train_helpers import require_vllm
+from train_helpers import require_vllm, reverse_task_policy
 
 STREAM, GROUP = "rlcli:rollouts", "rlcli-trainer"
 PROMPTS, GROUP_SIZE, TEMPERATURE = 2, 4, 0.7
@@ -36,11 +35,7 @@ EPS = 1e-6
 
 def save_policy(directory: Path, seed: int, num_heads: int = 4) -> Path:
     """A tiny random policy for the reverse task, saved in Hugging Face format as the trainer publishes it."""
-    torch.manual_seed(seed)
-    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=num_heads, max_position_embeddings=64, dtype="float32",
-                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
-    build_policy(cfg, default_vocab_size=ReverseTask().tokenizer.vocab_size).save_pretrained(directory)
+    reverse_task_policy(seed, hidden_size=32, num_heads=num_heads).save_pretrained(directory)
     return directory
 
 
