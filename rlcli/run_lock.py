@@ -11,8 +11,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from rlcli.callbacks.checkpoint_io import storage_error
 from rlcli.errors import UserError
+from rlcli.storage import storage_error
 
 
 class RunLock:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import lightning as L
 
-from rlcli.callbacks.checkpoint_io import StorageError, storage_error
 from rlcli.callbacks.resume import RunIdentity
-from rlcli.loggers.atomic import fsync
+from rlcli.storage import StorageError, fsync, storage_error
 from rlcli.training import distributed
 
 

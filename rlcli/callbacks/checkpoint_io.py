@@ -1,4 +1,4 @@
-"""Writing a checkpoint file into the run directory itself, and storage failures as one clear message.
+"""Writing a checkpoint file into the run directory itself, a storage failure kept for every rank to report.
 
 Lightning's own checkpoint IO serialises into memory and stages the file in ``$TMPDIR``: a kill
 there leaves a full-size copy behind, and the checkpoint needs space in two places. Here the
@@ -17,24 +17,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from rlcli.errors import DISK_FULL, UserError
-
-
-class StorageError(UserError):
-    """The run cannot write a file: a full disk, a quota, a read-only or unwritable directory."""
-
-
-def storage_error(path: str | Path, err: OSError, needed: int | None = None) -> StorageError:
-    """One line naming the file and what the system said, e.g. ``cannot write X: No space left on device``;
-    with ``needed`` (bytes), a full disk also says how much the file needs and how much is free."""
-    reason = err.strerror or str(err)
-    if needed is not None and err.errno in DISK_FULL:
-        try:
-            free = shutil.disk_usage(Path(path).parent).free
-            reason += f" (it needs about {_mib(needed)}; {_mib(free)} free there)"
-        except OSError:
-            reason += f" (it needs about {_mib(needed)})"
-    return StorageError(f"cannot write {path}: {reason}")
+from rlcli.storage import StorageError, storage_error
 
 
 def _tensor_bytes(obj) -> int:
@@ -76,10 +59,6 @@ class _WholeWrites:
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
 
 
 class RunDirCheckpointIO(TorchCheckpointIO):

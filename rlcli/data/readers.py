@@ -12,7 +12,7 @@ from typing import Any
 
 from rlcli.data.errors import DataError, RecordError, format_problem
 from rlcli.data.schema import Rollout, validate_record
-from rlcli.loggers.atomic import replace_text
+from rlcli.storage import replace_text
 
 __all__ = [
     "DataError",

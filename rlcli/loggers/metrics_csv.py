@@ -9,7 +9,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-from rlcli.loggers.atomic import replace_text
+from rlcli.storage import replace_text
 
 
 class MetricsCSVLogger(Logger):

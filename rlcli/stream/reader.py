@@ -36,7 +36,7 @@ from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.data.writers import to_record
-from rlcli.loggers.atomic import keep_lines
+from rlcli.storage import keep_lines
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import unread
 from rlcli.stream.records import decode, encode, rejected_key

@@ -12,11 +12,11 @@ from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
-from rlcli.loggers.atomic import keep_lines
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import build_sampler
 from rlcli.rollout.vllm_engine import VLLMEngine
 from rlcli.rollout.vllm_sampler import build_vllm_sampler
+from rlcli.storage import keep_lines
 from rlcli.training.sources.base import DataKind, StepSource
 from rlcli.training.step import CollectedStep
 

@@ -1,9 +1,34 @@
-"""Replacing a run's file so that a kill at any moment leaves either the old file or the new one."""
+"""Writing the run's files: a replacement that a kill at any moment leaves whole (the old file or the new
+one), fsync, and one clear message when the storage refuses a file (`StorageError`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+from rlcli.errors import DISK_FULL, UserError
+
+
+class StorageError(UserError):
+    """The run cannot write a file: a full disk, a quota, a read-only or unwritable directory."""
+
+
+def storage_error(path: str | Path, err: OSError, needed: int | None = None) -> StorageError:
+    """One line naming the file and what the system said, e.g. ``cannot write X: No space left on device``;
+    with ``needed`` (bytes), a full disk also says how much the file needs and how much is free."""
+    reason = err.strerror or str(err)
+    if needed is not None and err.errno in DISK_FULL:
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+            reason += f" (it needs about {_mib(needed)}; {_mib(free)} free there)"
+        except OSError:
+            reason += f" (it needs about {_mib(needed)})"
+    return StorageError(f"cannot write {path}: {reason}")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def fsync(path: Path) -> None:
