@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import rollout_record, write_jsonl
+from factories import rollout_record, write_jsonl
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_a_reference_model_from_a_checkpoint(tmp_path):
 
 
 def test_a_record_without_ref_logprobs_under_kl_reference_rollouts_is_named(tmp_path):
-    from train_helpers import rollout_record, write_jsonl
+    from factories import rollout_record, write_jsonl
 
     records = [rollout_record(g, ref_logprobs=[-4.5] * 4) for g in range(4)] + [rollout_record(4)]
     data = write_jsonl(tmp_path / "ref.jsonl", records)

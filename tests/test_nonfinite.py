@@ -15,7 +15,7 @@ import pytest
 from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file
 
-from train_helpers import rollout_record, write_jsonl
+from factories import rollout_record, write_jsonl
 
 
 def run(args, cwd, **env):

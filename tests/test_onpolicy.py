@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import rollout_record, write_jsonl
 from rlcli.data.readers import load_rollouts
 from rlcli.train import train
 from rlcli.training.module import warn_if_off_policy
-from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
+from train_helpers import compose_train_config, run_rlcli
 
 
 def train_on_policy(tmp_path: Path, *overrides: str, steps: int = 2):

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from factories import make_arithmetic_dataset, make_tiny_qwen2
 from train_helpers import run_rlcli
-
-sys.path.insert(0, str(Path(__file__).parent / "rollout"))
-from local_assets import make_arithmetic_dataset, make_tiny_qwen2  # noqa: E402
 
 TASK = ["task=prompts", "rollout.max_new_tokens=2"]
 

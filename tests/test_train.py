@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import rollout_record, write_jsonl
 from rlcli.errors import UserError
 from rlcli.train import train
-from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
+from train_helpers import compose_train_config, run_rlcli
 
 AGGREGATIONS = ["token_mean", "sample_mean", "prompt_mean", "constant aggregation.divisor=16"]
 AGGREGATIONS = [f"aggregation={a}" for a in AGGREGATIONS]

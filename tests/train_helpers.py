@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,21 +22,6 @@ def require_vllm() -> None:
         if os.environ.get("CI"):
             pytest.fail("vLLM cannot be imported, though CI installs it with `make setup-vllm`")
         pytest.skip("vLLM is not installed here: `make setup-vllm` installs it into .venv")
-
-
-def reverse_task_policy(seed: int, *, hidden_size: int, num_heads: int):
-    """A seeded float32 tiny Llama (2 layers) with the reverse task's vocabulary, as `model=tiny` builds it."""
-    import torch
-
-    from rlcli.conf.schema import TinyModelConfig
-    from rlcli.model.policy import build_policy
-    from rlcli.rollout.tasks import ReverseTask
-
-    torch.manual_seed(seed)
-    cfg = TinyModelConfig(kind="tiny", vocab_size=None, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                          num_layers=2, num_heads=num_heads, max_position_embeddings=64, dtype="float32",
-                          gradient_checkpointing=False, attn_implementation="sdpa", suggested_lr=1e-3)
-    return build_policy(cfg, default_vocab_size=ReverseTask().tokenizer.vocab_size)
 
 
 def compose_train_config(overrides: list[str] = ()):
@@ -80,23 +64,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def rollout_record(group: int, prompt_len: int = 3, completion_len: int = 4, vocab: int = 64, **extra) -> dict:
-    """A valid record with a per-group reward (deterministic in its arguments)."""
-    return {
-        "prompt_ids": [(group * 7 + i) % vocab for i in range(prompt_len)],
-        "completion_ids": [(group * 5 + 3 * i + 1) % vocab for i in range(completion_len)],
-        "old_logprobs": [-4.0 - 0.01 * i for i in range(completion_len)],
-        "reward": float((group + completion_len) % 3),
-        "group_id": group % 4,
-        **extra,
-    }
 
 
 class EchoTask:

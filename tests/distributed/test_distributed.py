@@ -11,13 +11,14 @@ import pytest
 import torch
 from launch import run_ranks
 
+from factories import rollout_record, write_jsonl
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
 from rlcli.model.policy import build_policy
 from rlcli.model.scorer import TokenScorer
 from rlcli.modules import Correction, KLPenalty, policy_loss
 from rlcli.rollout.advantages import apply_advantage_estimator
-from train_helpers import compose_train_config, rollout_record, run_rlcli, write_jsonl
+from train_helpers import compose_train_config, run_rlcli
 
 pytestmark = pytest.mark.slow
 

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from rlcli.model.policy import build_policy
+from factories import tiny_policy
 from rlcli.model.varlen_attention import document_starts, packed_row_kwargs
 
 LENGTHS = [5, 1, 9, 3]  # documents of one packed row
 
 
 def _tiny(attn: str, *, kv_heads: int | None = None) -> torch.nn.Module:
-    cfg = OmegaConf.create(dict(
-        kind="tiny", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        max_position_embeddings=64, dtype="float32", gradient_checkpointing=False, attn_implementation=attn,
-        suggested_lr=1e-3,
-    ))
-    torch.manual_seed(0)
-    model = build_policy(cfg).double()
+    model = tiny_policy(50, hidden_size=32, attn_implementation=attn).double()
     if kv_heads is not None:  # grouped-query attention: fewer key/value heads, same weights otherwise
         for layer in model.model.layers:
             attn_module = layer.self_attn

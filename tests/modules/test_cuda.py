@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from rl_reference import F64, make_step, ref_head, ref_loss, rel_err
 
-from rlcli.model.policy import build_policy
+from factories import tiny_policy
 from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,13 +63,8 @@ def test_varlen_attention_on_the_gpu_equals_the_block_diagonal_mask():
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(CUDA)
     hidden = {}
     for attn in ("varlen", "sdpa"):
-        cfg = OmegaConf.create(dict(
-            kind="tiny", vocab_size=100, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-            max_position_embeddings=512, dtype="bfloat16", gradient_checkpointing=False, attn_implementation=attn,
-            suggested_lr=1e-3,
-        ))
-        torch.manual_seed(0)
-        model = build_policy(cfg).to(CUDA)
+        model = tiny_policy(100, hidden_size=128, max_position_embeddings=512, attn_implementation=attn,
+                            dtype="bfloat16").to(CUDA)
         hidden[attn] = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state.float()
     scale = hidden["sdpa"].abs().max()
     assert (hidden["varlen"] - hidden["sdpa"]).abs().max() <= 2e-2 * scale

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+from factories import tiny_policy
 from rlcli.errors import UserError
 from rlcli.rollout.evaluate import EVAL_PROMPTS_SEED, METRICS, eval_prompts, evaluate, pass_at_k
 from rlcli.rollout.sampler import Completion, HFSampler
@@ -180,9 +181,9 @@ def test_invalid_arguments_raise(bad):
         evaluate(task, ScriptedSampler(task), **arguments)
 
 
-def test_the_same_seed_gives_the_same_completions(tiny_model):
+def test_the_same_seed_gives_the_same_completions():
     task = ReverseTask(min_len=1, max_len=3)
-    sampler = HFSampler(tiny_model(task.tokenizer.vocab_size), temperature=1.0)
+    sampler = HFSampler(tiny_policy(task.tokenizer.vocab_size), temperature=1.0)
     prompts = eval_prompts(task, 12)
 
     def run(seed, batch_size=None):
@@ -198,8 +199,7 @@ def test_the_same_seed_gives_the_same_completions(tiny_model):
 
 
 def test_rlcli_eval_of_a_prompts_task_evaluates_its_held_out_split(tmp_path):
-    from local_assets import make_arithmetic_dataset, make_tiny_qwen2
-
+    from factories import make_arithmetic_dataset, make_tiny_qwen2
     from train_helpers import run_rlcli
 
     model = make_tiny_qwen2(tmp_path / "model")

@@ -14,16 +14,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from local_assets import make_arithmetic_dataset, make_tiny_qwen2, make_tokenizer
 from transformers import AutoTokenizer, LlamaConfig
 
+from factories import make_arithmetic_dataset, make_tiny_qwen2, make_tokenizer, write_jsonl
 from rlcli.conf import build_target
 from rlcli.conf.validate import validate_config
 from rlcli.errors import UserError
 from rlcli.rollout.prompts import PromptsTask
 from rlcli.rollout.sampler import HFSampler, build_sampler, sample_completions
 from rlcli.train import train
-from train_helpers import compose_train_config, write_jsonl
+from train_helpers import compose_train_config
 
 SYSTEM = "Add the numbers."
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from factories import tiny_policy
 from rlcli.data.packing import make_micro_batch
 from rlcli.modules.lm_head import token_logprobs
 from rlcli.modules.policy_loss import policy_loss
@@ -67,10 +68,10 @@ def train_on_rollouts(
 
 
 @pytest.mark.slow
-def test_mean_reward_rises_on_the_default_task(tiny_model):
+def test_mean_reward_rises_on_the_default_task():
     settings = dict(DEFAULTS)
     task = ReverseTask()
-    model = tiny_model(
+    model = tiny_policy(
         task.tokenizer.vocab_size, hidden_size=settings.pop("hidden_size"), num_layers=settings.pop("num_layers")
     )
     start = time.perf_counter()

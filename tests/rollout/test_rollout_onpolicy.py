@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+from factories import tiny_policy
 from rlcli.data.errors import DataError
 from rlcli.data.readers import load_rollouts
 from rlcli.data.writers import append_jsonl
@@ -36,8 +37,8 @@ def task():
 
 
 @pytest.fixture
-def model(task, tiny_model):
-    return tiny_model(task.tokenizer.vocab_size)
+def model(task):
+    return tiny_policy(task.tokenizer.vocab_size)
 
 
 def prompt_of(task, rollout):

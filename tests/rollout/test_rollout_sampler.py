@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import tiny_policy
 from rlcli.modules.lm_head import token_logprobs
 from rlcli.rollout.sampler import HFSampler, _left_pad, _truncate, sample_completions
 
@@ -32,8 +33,8 @@ def teacher_forced_logprobs(model, prompt, completion, temperature):
     return logprobs[len(prompt) - 1 : -1]  # [C]
 
 
-def test_shapes_and_budget(tiny_model):
-    model = tiny_model(VOCAB)
+def test_shapes_and_budget():
+    model = tiny_policy(VOCAB)
     completions = sample(model, PROMPTS * 4, max_new_tokens=5)
     assert len(completions) == len(PROMPTS) * 4
     for c in completions:
@@ -41,8 +42,8 @@ def test_shapes_and_budget(tiny_model):
         assert all(0 <= i < VOCAB for i in c.ids) and all(lp <= 0 for lp in c.logprobs)
 
 
-def test_sequences_stop_at_the_first_stop_token(tiny_model):
-    model = tiny_model(VOCAB)
+def test_sequences_stop_at_the_first_stop_token():
+    model = tiny_policy(VOCAB)
     stop_ids = (EOS, 4, 5, 6)  # frequent enough that some sequences stop and others run out
     completions = sample(model, PROMPTS * 8, max_new_tokens=6, stop_ids=stop_ids)
     assert {c.stopped for c in completions} == {True, False}
@@ -55,8 +56,8 @@ def test_sequences_stop_at_the_first_stop_token(tiny_model):
     assert all(len(c.ids) == 1 and c.stopped for c in every_token)
 
 
-def test_reproducible_with_a_seed_and_different_with_another(tiny_model):
-    model = tiny_model(VOCAB)
+def test_reproducible_with_a_seed_and_different_with_another():
+    model = tiny_policy(VOCAB)
     first = sample(model, seed=3)
     assert sample(model, seed=3) == first
     assert sample(model, seed=4) != first
@@ -66,11 +67,11 @@ def test_reproducible_with_a_seed_and_different_with_another(tiny_model):
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 4, 1.0), (0.7, 0, 0.6), (0.7, 5, 0.8)],
 )
-def test_logprobs_equal_teacher_forced_full_distribution(tiny_model, temperature, top_k, top_p):
+def test_logprobs_equal_teacher_forced_full_distribution(temperature, top_k, top_p):
     """Batched, left-padded, cached sampling records what the trainer recomputes for each
     sequence alone: the full-vocabulary log-softmax at the same temperature, also under top-k/p.
     Sequences that stopped early (and were then fed padding) do not disturb the others."""
-    model = tiny_model(VOCAB)
+    model = tiny_policy(VOCAB)
     stop_ids = (EOS, 5)
     prompts = PROMPTS * 3
     completions = sample(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids)
@@ -80,8 +81,8 @@ def test_logprobs_equal_teacher_forced_full_distribution(tiny_model, temperature
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-4)
 
 
-def test_top_k_one_is_greedy(tiny_model):
-    model = tiny_model(VOCAB)
+def test_top_k_one_is_greedy():
+    model = tiny_policy(VOCAB)
     greedy = sample(model, top_k=1, seed=1)
     assert sample(model, top_k=1, seed=2) == greedy
     assert sample(model, top_p=1e-6, seed=3) == greedy
@@ -110,8 +111,8 @@ def test_left_padding_positions_start_at_each_prompt():
 
 
 @pytest.mark.parametrize("was_training", [True, False])
-def test_samples_in_eval_mode_and_restores_the_mode(tiny_model, was_training):
-    model = tiny_model(VOCAB)
+def test_samples_in_eval_mode_and_restores_the_mode(was_training):
+    model = tiny_policy(VOCAB)
     model.train(was_training)
     modes = []
     model.model.register_forward_hook(lambda module, args, output: modes.append(module.training))
@@ -124,19 +125,19 @@ def test_samples_in_eval_mode_and_restores_the_mode(tiny_model, was_training):
     "options",
     [dict(temperature=0.0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-1), dict(max_new_tokens=0)],
 )
-def test_bad_options(tiny_model, options):
+def test_bad_options(options):
     with pytest.raises(ValueError):
-        sample(tiny_model(VOCAB), **options)
+        sample(tiny_policy(VOCAB), **options)
 
 
 @pytest.mark.parametrize("options", [dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1)])
-def test_hf_sampler_checks_its_options_when_built(tiny_model, options):
+def test_hf_sampler_checks_its_options_when_built(options):
     with pytest.raises(ValueError):
-        HFSampler(tiny_model(VOCAB), **(dict(temperature=1.0) | options))
+        HFSampler(tiny_policy(VOCAB), **(dict(temperature=1.0) | options))
 
 
-def test_hf_sampler_is_sample_completions_with_its_options(tiny_model):
-    model = tiny_model(VOCAB)
+def test_hf_sampler_is_sample_completions_with_its_options():
+    model = tiny_policy(VOCAB)
     sampler = HFSampler(model, temperature=0.7, top_p=0.8, top_k=5)
     assert (sampler.temperature, sampler.vocab_size) == (0.7, VOCAB)
     generator = torch.Generator().manual_seed(2)
@@ -144,6 +145,6 @@ def test_hf_sampler_is_sample_completions_with_its_options(tiny_model):
     assert drawn == sample(model, temperature=0.7, top_p=0.8, top_k=5, seed=2)
 
 
-def test_empty_prompt_is_an_error(tiny_model):
+def test_empty_prompt_is_an_error():
     with pytest.raises(ValueError):
-        sample(tiny_model(VOCAB), [[2], []])
+        sample(tiny_policy(VOCAB), [[2], []])

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import factories
 from rlcli.errors import UserError
 from rlcli.rollout.sampler import Completion
 from rlcli.rollout.tasks import ReverseTask
-from train_helpers import compose_train_config, require_vllm, reverse_task_policy
+from train_helpers import compose_train_config, require_vllm
 
 TEMPERATURE = 0.7
 OPTIONS = {"dtype": "float32", "enforce_eager": True}
@@ -27,8 +28,8 @@ EOS = TASK.tokenizer.eos_id
 
 
 def tiny_policy(seed: int = 0, num_heads: int = 2) -> torch.nn.Module:
-    """The default tiny model's shape: 2 heads of 32."""
-    return reverse_task_policy(seed, hidden_size=64, num_heads=num_heads)
+    """The default tiny model's shape (2 heads of 32) with the reverse task's vocabulary."""
+    return factories.tiny_policy(TASK.tokenizer.vocab_size, hidden_size=64, num_heads=num_heads, seed=seed)
 
 
 @pytest.fixture(scope="module")

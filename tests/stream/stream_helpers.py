@@ -15,8 +15,8 @@ from pathlib import Path
 import lightning as L
 import redis
 
+from factories import rollout_record
 from rlcli.stream import StreamWriter
-from train_helpers import rollout_record
 
 STREAM, GROUP = "rlcli:rollouts", "rlcli-trainer"
 VOCAB = 7  # the reverse task's tokenizer (pad, eos, '>' and 'abcd'): data=stream sizes the tiny model from it

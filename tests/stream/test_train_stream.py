@@ -13,10 +13,11 @@ import pytest
 import redis
 from safetensors.torch import load_file
 
+from factories import rollout_record
 from rlcli.signals import RunSignals
 from rlcli.stream import StreamWriter
 from rlcli.train import train
-from train_helpers import compose_train_config, rollout_record
+from train_helpers import compose_train_config
 
 VOCAB = 7  # the default task's (reverse) tokenizer sizes the tiny model
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import tiny_policy
 from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.schema import validate_record
 from rlcli.rollout.tasks import ReverseTask
@@ -26,7 +27,7 @@ from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.stream.records import decode
 from rlcli.stream.worker import SamplerWorker
-from train_helpers import require_vllm, reverse_task_policy
+from train_helpers import require_vllm
 
 STREAM, GROUP = "rlcli:rollouts", "rlcli-trainer"
 PROMPTS, GROUP_SIZE, TEMPERATURE = 2, 4, 0.7
@@ -35,7 +36,8 @@ EPS = 1e-6
 
 def save_policy(directory: Path, seed: int, num_heads: int = 4) -> Path:
     """A tiny random policy for the reverse task, saved in Hugging Face format as the trainer publishes it."""
-    reverse_task_policy(seed, hidden_size=32, num_heads=num_heads).save_pretrained(directory)
+    vocab_size = ReverseTask().tokenizer.vocab_size
+    tiny_policy(vocab_size, hidden_size=32, num_heads=num_heads, seed=seed).save_pretrained(directory)
     return directory
 
 

@@ -1,5 +1,5 @@
-"""Test assets built locally, without downloads: a byte-level BPE tokenizer with a chat template, a
-tiny random-init Qwen2 saved as a Hugging Face directory, and an arithmetic prompt dataset."""
+"""What the tests build, all locally and without downloads: tiny random-init policies, a byte-level BPE
+tokenizer with a chat template, a tiny Hugging Face checkpoint, rollout records and the files that hold them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,25 @@ import random
 from pathlib import Path
 
 import torch
+
+# Models
+
+
+def tiny_policy(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                max_position_embeddings: int = 64, attn_implementation: str = "sdpa", dtype: str = "float32",
+                seed: int = 0) -> torch.nn.Module:
+    """A tiny Llama as ``model=tiny`` builds it (intermediate size twice the hidden size), its weights drawn
+    right after ``torch.manual_seed(seed)``: the global RNG is left seeded, as a test that seeds first expects."""
+    from rlcli.conf.schema import TinyModelConfig
+    from rlcli.model.policy import build_policy
+
+    cfg = TinyModelConfig(kind="tiny", vocab_size=vocab_size, hidden_size=hidden_size,
+                          intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=num_heads,
+                          max_position_embeddings=max_position_embeddings, dtype=dtype, gradient_checkpointing=False,
+                          attn_implementation=attn_implementation, suggested_lr=1e-3)
+    torch.manual_seed(seed)
+    return build_policy(cfg)
+
 
 EOS = "<|im_end|>"  # ends an assistant turn, as in Qwen2.5-Instruct
 PAD = "<|endoftext|>"
@@ -82,6 +101,42 @@ def make_tiny_qwen2(directory: str | Path, vocab_size: int | None = None, *, hid
     return directory
 
 
+# Records and their files
+
+
+def rollout_record(group: int = 0, prompt_len: int = 3, completion_len: int = 4, vocab: int = 64, *,
+                   drop: tuple[str, ...] = (), **fields) -> dict:
+    """A valid record with a per-group reward, deterministic in its arguments; ``fields`` replace or add
+    fields, the fields named in ``drop`` are left out."""
+    record = {
+        "prompt_ids": [(group * 7 + i) % vocab for i in range(prompt_len)],
+        "completion_ids": [(group * 5 + 3 * i + 1) % vocab for i in range(completion_len)],
+        "old_logprobs": [-4.0 - 0.01 * i for i in range(completion_len)],
+        "reward": float((group + completion_len) % 3),
+        "group_id": group % 4,
+        **fields,
+    }
+    return {k: v for k, v in record.items() if k not in drop}
+
+
+def write_jsonl(path: Path, records) -> Path:
+    """``records`` one per line: dicts as JSON, strings as they are (a broken line)."""
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def write_parquet(path: Path, records: list[dict], row_group_size: int | None = None) -> Path:
+    """``records`` as rows; a field missing from a row is null there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = list(dict.fromkeys(name for r in records for name in r))
+    columns = {name: [r.get(name) for r in records] for name in names}
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
 def make_arithmetic_dataset(path: str | Path, n: int, seed: int, *, chat: bool = False) -> Path:
     """``n`` records ``{"prompt": "3+4=", "answer": "7"}`` with single-digit sums (``a + b <= 9``),
     the prompt as chat messages (one user message) if ``chat``; JSON Lines, or Parquet for a
@@ -94,11 +149,4 @@ def make_arithmetic_dataset(path: str | Path, n: int, seed: int, *, chat: bool =
         text = f"{a}+{b}="
         records.append({"prompt": [{"role": "user", "content": text}] if chat else text, "answer": str(a + b)})
     path = Path(path)
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(records), path)
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return write_parquet(path, records) if path.suffix == ".parquet" else write_jsonl(path, records)
