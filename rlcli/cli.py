@@ -152,7 +152,7 @@ def _data(args: list[str]) -> int:
 
 
 def _stream(args: list[str]) -> int:
-    from rlcli.rollout.advantages import ESTIMATORS
+    from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
     from rlcli.stream.records import DEFAULT_STREAM
 
     parser = argparse.ArgumentParser(prog="rlcli stream", description="The live loop's Redis stream.")
@@ -161,7 +161,7 @@ def _stream(args: list[str]) -> int:
     push.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
     push.add_argument("--url", required=True, help="the Redis server: redis://host:port/db")
     push.add_argument("--stream", default=DEFAULT_STREAM, metavar="KEY", help=f"the stream (default {DEFAULT_STREAM})")
-    push.add_argument("--advantage", choices=ESTIMATORS, default="grpo",
+    push.add_argument("--advantage", choices=ADVANTAGE_ESTIMATORS.names(), default="grpo",
                       help="fill missing advantages from rewards per group (default grpo); none: they are an error")
     options = parser.parse_args(args)
 

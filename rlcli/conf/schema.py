@@ -16,7 +16,7 @@ from rlcli.modules import AGGREGATIONS, CORRECTION_LEVELS, CORRECTION_MODES, KL_
 from rlcli.modules.aggregation import DIVISOR
 from rlcli.modules.bounds import TEMPERATURE
 from rlcli.modules.regularizers import TERM_COEF
-from rlcli.rollout.advantages import ESTIMATORS
+from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
 
 # Lightning's seed_everything takes a uint32 seed (it seeds numpy); its constant lives in a module that
 # imports all of Lightning, which a config check need not wait for
@@ -174,7 +174,7 @@ class EvalConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: Literal[ESTIMATORS]
+    estimator: Literal[ADVANTAGE_ESTIMATORS.names()]
     eps: float = bounded(gt=0)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlcli.data.schema import Rollout, validate_record
-from rlcli.rollout.advantages import GROUP_ESTIMATORS, check_in_float32, group_advantages
+from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
 from rlcli.rollout.sampler import Sampler
 
 __all__ = ["OnPolicyRollouts", "step_seed"]
@@ -32,7 +32,7 @@ class OnPolicyRollouts:
 
     Every rank draws its own ``prompts_per_step`` prompts and samples ``group_size`` completions
     of each, at most ``max_new_tokens`` tokens long; a group is the completions of one prompt.
-    ``estimator`` is one of `GROUP_ESTIMATORS`, ``eps`` is ``advantage.eps`` (see `group_advantages`).
+    ``estimator`` is one of `group_estimators()`, ``eps`` is ``advantage.eps`` (see `group_advantages`).
     """
 
     def __init__(
@@ -53,8 +53,8 @@ class OnPolicyRollouts:
             raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if estimator not in GROUP_ESTIMATORS:
-            raise ValueError(f"estimator must be one of {', '.join(GROUP_ESTIMATORS)}, got {estimator!r}")
+        if estimator not in group_estimators():
+            raise ValueError(f"estimator must be one of {', '.join(group_estimators())}, got {estimator!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.task = task

@@ -12,6 +12,7 @@ from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
+from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, computes_advantages, group_estimators
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import build_sampler
 from rlcli.rollout.vllm_engine import VLLMEngine
@@ -74,8 +75,10 @@ class OnPolicyGeneration(DataKind):
         if isinstance(trainer, DictConfig) and trainer.get("docs_per_step"):
             problems.append("trainer.docs_per_step: with data=generate a step is the rollouts it sampled "
                             "(rollout.prompts_per_step x rollout.group_size per process); use it with data=rollouts")
-        if isinstance(advantage, DictConfig) and advantage.get("estimator") == "none":
-            problems.append("advantage.estimator: on-policy rollouts (data=generate) need grpo or dr_grpo")
+        estimator = advantage.get("estimator") if isinstance(advantage, DictConfig) else None
+        if estimator in ADVANTAGE_ESTIMATORS.names() and not computes_advantages(estimator):
+            problems.append("advantage.estimator: on-policy rollouts (data=generate) need "
+                            f"{' or '.join(group_estimators())}")
         if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
             problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
         prompts, minibatches = _number(cfg.get("rollout"), "prompts_per_step"), _number(trainer, "minibatches")
