@@ -7,7 +7,8 @@ the decoded completion, the prompt record's ``answer`` and prompt text, and its 
 ``task.rewards`` lists terms, each ``{name: <built-in>, weight: 1.0, ...options}`` or
 ``{_target_: dotted.path.to.function, weight: 1.0, name: optional, ...options}``:
 
-- a built-in's options go to its factory in `REWARDS`, which checks them and returns the function;
+- a built-in's options go to its factory in `REWARDS`, which checks them and returns the function
+  (adding a built-in is one factory registered with ``@REWARDS.register(name)``);
 - a ``_target_`` function is called as ``fn(completion, answer=..., prompt=..., **fields, **options)``,
   keeping only the keywords it declares unless it takes ``**kwargs`` (an option wins over a field).
 
@@ -30,6 +31,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlcli.errors import UserError
+from rlcli.modules.registry import Registry
 
 __all__ = ["DEFAULT_REWARDS", "REWARDS", "RewardSet", "RewardTerm", "build_rewards"]
 
@@ -39,6 +41,9 @@ RewardFn = Callable[..., float]
 
 DEFAULT_REWARDS: tuple[dict[str, Any], ...] = ({"name": "math_verify"},)
 """The rewards of a prompts task without ``task.rewards``."""
+
+REWARDS: Registry[Callable[..., RewardFn]] = Registry("reward")
+"""Built-in rewards by name: factories that take the term's options and return the function."""
 
 
 class _BadOption(ValueError):
@@ -72,6 +77,7 @@ def _normalise(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+@REWARDS.register("exact_match")
 def exact_match_reward(*, after: str | None = None) -> RewardFn:
     """1.0 when the completion equals ``answer`` once both are normalised (whitespace runs become
     one space, ends stripped, case folded), else 0.0. With ``after`` (e.g. ``"####"``), only the
@@ -111,6 +117,7 @@ def _parse_gold(answer: str, timeout_s: int | None) -> list:
     return found
 
 
+@REWARDS.register("math_verify")
 def math_verify_reward(*, timeout_s: int = 5) -> RewardFn:
     """1.0 when math-verify finds the completion's final answer equal to ``answer``, else 0.0.
 
@@ -134,6 +141,7 @@ def math_verify_reward(*, timeout_s: int = 5) -> RewardFn:
     return reward
 
 
+@REWARDS.register("regex")
 def regex_reward(*, pattern: str) -> RewardFn:
     """1.0 when ``pattern`` (a Python regular expression) matches somewhere in the completion
     (``re.search``), else 0.0. Flags go inline, e.g. ``(?is)``."""
@@ -144,6 +152,7 @@ def regex_reward(*, pattern: str) -> RewardFn:
     return lambda completion, **_: float(compiled.search(completion) is not None)
 
 
+@REWARDS.register("format")
 def format_reward(*, tags: Sequence[str] = ("think", "answer")) -> RewardFn:
     """1.0 when the completion is, apart from whitespace around and between the blocks, exactly
     ``<t1>...</t1><t2>...</t2>...`` for the ``tags`` in order, where no block's content holds an
@@ -158,6 +167,7 @@ def format_reward(*, tags: Sequence[str] = ("think", "answer")) -> RewardFn:
     return lambda completion, **_: float(compiled.fullmatch(completion) is not None)
 
 
+@REWARDS.register("length_penalty")
 def length_penalty_reward(*, max_chars: int, per_char: float = 0.001) -> RewardFn:
     """``-per_char * (len(completion) - max_chars)`` beyond ``max_chars`` characters of the decoded
     text (Python ``str`` length, not tokens), 0.0 up to and at the limit."""
@@ -166,15 +176,6 @@ def length_penalty_reward(*, max_chars: int, per_char: float = 0.001) -> RewardF
              "per_char", f"must be a finite number >= 0, got {per_char!r}")
     return lambda completion, **_: per_char * min(0, max_chars - len(completion))
 
-
-REWARDS: dict[str, Callable[..., RewardFn]] = {
-    "exact_match": exact_match_reward,
-    "math_verify": math_verify_reward,
-    "regex": regex_reward,
-    "format": format_reward,
-    "length_penalty": length_penalty_reward,
-}
-"""Built-in rewards by name: factories that take the term's options and return the function."""
 
 CORRECTNESS_REWARDS = frozenset({"exact_match", "math_verify"})
 _BEST = {"length_penalty": 0.0}  # a term's best value where it is not 1.0
