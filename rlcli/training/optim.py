@@ -1,11 +1,31 @@
-"""The optimizer and its learning-rate schedule, from the `optimizer` config group."""
+"""The optimizer and its learning-rate schedule, from the `optimizer` config group.
+
+An optimizer is a function registered in `OPTIMIZERS` under its ``optimizer.name``:
+``(params, cfg) -> torch.optim.Optimizer``, with ``cfg`` the group's typed config
+(`rlcli.conf.schema`; its defaults live in ``rlcli/conf/optimizer/<name>.yaml``).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
+
+from rlcli.modules.registry import Registry
+
+OPTIMIZERS: Registry[Callable[..., torch.optim.Optimizer]] = Registry("optimizer")
+
+
+@OPTIMIZERS.register("adamw")
+def adamw(params: list[torch.nn.Parameter], cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+@OPTIMIZERS.register("sgd")
+def sgd(params: list[torch.nn.Parameter], cfg) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -21,12 +41,7 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: s
 def build_optimizer(cfg, total_steps: int, policy: torch.nn.Module):
     """``(optimizer, LambdaLR scheduler)`` from the ``optimizer`` group."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    if cfg.name == "adamw":
-        optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    else:
-        optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = OPTIMIZERS[cfg.name](params, cfg)
     multiplier = partial(
         lr_multiplier, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
         schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,

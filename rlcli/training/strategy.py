@@ -4,40 +4,65 @@
 - fsdp: Lightning's FSDPStrategy (GPU only); the scorer is the FSDP root, one unit per decoder layer.
 - fsdp2: `fully_shard` per decoder layer and on the root, through Lightning's
   ModelParallelStrategy; it also runs on CPU over gloo, which is how the sharded path is tested.
+
+A strategy is a function registered in `STRATEGIES` under its ``strategy.name``:
+``(cfg, world_size) -> (strategy for lightning.Trainer, sharding function or None)``, with ``cfg``
+the group's typed config (defaults in ``rlcli/conf/strategy/<name>.yaml``). The sharding function
+takes ``(scorer, device_mesh)`` in ``configure_model`` and returns the module to call in its place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
 from rlcli.model.sharding import fsdp_wrap, fully_shard_policy
+from rlcli.modules.registry import Registry
+
+Sharding = Callable[..., torch.nn.Module] | None
+
+STRATEGIES: Registry[Callable[..., tuple[Any, Sharding]]] = Registry("strategy")
 
 
-def build_strategy(cfg, policy: torch.nn.Module, world_size: int):
-    """``(strategy for lightning.Trainer, sharding function for configure_model or None)``; the sharding
-    function takes ``(scorer, device_mesh)`` and returns the module to call in its place."""
-    backend = getattr(cfg, "process_group_backend", None)
-    if cfg.name == "auto":
-        return "auto", None
-    if cfg.name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
+@STRATEGIES.register("auto")
+def auto(cfg, world_size: int) -> tuple[str, Sharding]:
+    return "auto", None
 
-        return DDPStrategy(process_group_backend=backend), None
-    if cfg.name == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
 
-        return FSDPStrategy(
-            sharding_strategy=cfg.sharding_strategy,
-            cpu_offload=cfg.cpu_offload,
-            state_dict_type="full",
-            process_group_backend=backend,
-        ), fsdp_wrap
+@STRATEGIES.register("ddp")
+def ddp(cfg, world_size: int) -> tuple[Any, Sharding]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(process_group_backend=cfg.process_group_backend), None
+
+
+@STRATEGIES.register("fsdp")
+def fsdp(cfg, world_size: int) -> tuple[Any, Sharding]:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return FSDPStrategy(
+        sharding_strategy=cfg.sharding_strategy,
+        cpu_offload=cfg.cpu_offload,
+        state_dict_type="full",
+        process_group_backend=cfg.process_group_backend,
+    ), fsdp_wrap
+
+
+@STRATEGIES.register("fsdp2")
+def fsdp2(cfg, world_size: int) -> tuple[Any, Sharding]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
         data_parallel_size=world_size, tensor_parallel_size=1,
-        save_distributed_checkpoint=False, process_group_backend=backend,
+        save_distributed_checkpoint=False, process_group_backend=cfg.process_group_backend,
     )
     return strategy, partial(fully_shard_policy, mixed_precision=cfg.mixed_precision)
+
+
+def build_strategy(cfg, policy: torch.nn.Module, world_size: int):
+    """``(strategy for lightning.Trainer, sharding function for configure_model or None)`` from the
+    ``strategy`` group (see the module's docstring)."""
+    return STRATEGIES[cfg.name](cfg, world_size)
