@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from omegaconf import DictConfig
 
+from rlcli.modules.registry import Registry
 from rlcli.training.step import CollectedStep
 
 if TYPE_CHECKING:
@@ -73,3 +74,7 @@ class DataKind(ABC):
     @abstractmethod
     def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
         """``(rank, world_size) -> StepSource``, called on each rank once its process group exists."""
+
+
+DATA_KINDS: Registry[type[DataKind]] = Registry("data kind")
+"""The data kinds by ``data.kind``: a `DataKind` class registered with ``@DATA_KINDS.register(kind)``."""

@@ -13,7 +13,7 @@ from rlcli.data.readers import check_temperature, load_rollouts, write_rejection
 from rlcli.data.schema import Rollout
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.rollout.advantages import apply_advantage_estimator
-from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 from rlcli.training.step import CollectedStep, collect_step
 
 log = logging.getLogger("rlcli")
@@ -41,7 +41,8 @@ class RolloutFileSource(StepSource):
         self.stream.load_state_dict(state)
 
 
-class RolloutFiles(DataKind):
+@DATA_KINDS.register("rollouts")
+class RolloutsKind(DataKind):
     """Rollout files read and validated once; each rank trains on its share of the documents."""
 
     @property

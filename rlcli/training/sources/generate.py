@@ -18,7 +18,7 @@ from rlcli.rollout.sampler import build_sampler
 from rlcli.rollout.vllm_engine import VLLMEngine
 from rlcli.rollout.vllm_sampler import build_vllm_sampler
 from rlcli.storage import keep_lines
-from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 from rlcli.training.step import CollectedStep
 
 
@@ -61,14 +61,15 @@ def _number(node, key):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-class OnPolicyGeneration(DataKind):
+@DATA_KINDS.register("generate")
+class GenerateKind(DataKind):
     """Rollouts sampled from the policy itself on ``task``, with ``rollout.*`` sampling options."""
 
     groups = ("rollout", "task")
 
     @staticmethod
     def check_config(cfg: DictConfig, problems: list[str]) -> None:
-        for key in OnPolicyGeneration.groups:
+        for key in GenerateKind.groups:
             if cfg.get(key) is None:
                 problems.append(f"{key}: required by data=generate")
         trainer, strategy, advantage = cfg.get("trainer"), cfg.get("strategy"), cfg.get("advantage")

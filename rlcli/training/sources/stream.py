@@ -18,7 +18,7 @@ from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.stream.connection import connect
 from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
-from rlcli.training.sources.base import DataKind, StepSource
+from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 from rlcli.training.step import CollectedStep, collect_step
 
 
@@ -73,7 +73,8 @@ class StreamSource(StepSource):
         self._acknowledge_next = []
 
 
-class StreamRollouts(DataKind):
+@DATA_KINDS.register("stream")
+class StreamKind(DataKind):
     """Rollouts read from a Redis stream (``data.url``, ``data.stream``) that samplers fill."""
 
     groups = ("rollout", "task", "publish", "sample")
