@@ -87,8 +87,10 @@ def _hydra_app(name: str, args: list[str]) -> int:
 
 
 def _before_task(err: Exception) -> str:
+    from rlcli.stream.push import push_files, train_advantage
     """What went wrong before the task ran: a config that does not compose, or a run directory that
     cannot be created or written (Hydra makes it and its log file first)."""
+    advantage = train_advantage()
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror}"
     cause = err.__cause__
@@ -161,15 +163,18 @@ def _stream(args: list[str]) -> int:
     push.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
     push.add_argument("--url", required=True, help="the Redis server: redis://host:port/db")
     push.add_argument("--stream", default=DEFAULT_STREAM, metavar="KEY", help=f"the stream (default {DEFAULT_STREAM})")
-    push.add_argument("--advantage", choices=ADVANTAGE_ESTIMATORS.names(), default="grpo",
-                      help="fill missing advantages from rewards per group (default grpo); none: they are an error")
+    push.add_argument("--advantage", choices=ADVANTAGE_ESTIMATORS.names(), default=advantage.estimator,
+                      help="fill missing advantages from rewards per group (default: rlcli train's "
+                      f"advantage.estimator, {advantage.estimator}); none: they are an error")
+    push.add_argument("--eps", type=float, default=advantage.eps,
+                      help="the eps of grpo's (r - mean) / (std + eps) (default: rlcli train's advantage.eps, "
+                      f"{advantage.eps})")
     options = parser.parse_args(args)
 
     from rlcli.errors import UserError
-    from rlcli.stream.push import push_files
 
     try:
-        push_files(options.files, options.url, options.stream, options.advantage, out=sys.stdout)
+        push_files(options.files, options.url, options.stream, options.advantage, options.eps, out=sys.stdout)
     except UserError as err:
         print(f"rlcli stream push: error: {err}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
     from rlcli.stream import StreamWriter, group_advantages_for
 
-    records = group_advantages_for(records)   # `advantage` from `reward` per `group_id` (GRPO)
+    # `advantage` from `reward` per `group_id`, with the trainer's advantage.estimator and advantage.eps
+    records = group_advantages_for(records, "grpo", eps=1e-6)
     with StreamWriter("redis://127.0.0.1:6379/0") as writer:
         writer.push_many(records)             # each with `id` and `policy_version`
 
@@ -12,9 +13,9 @@ published weights (``version``, ``path``) and `unread` how many records it has s
 
 from rlcli.stream.connection import RedisConnection, connect
 from rlcli.stream.queue import newest_weights, unread
-from rlcli.stream.records import DEFAULT_STREAM
+from rlcli.stream.records import DEFAULT_STREAM, check_record
 from rlcli.stream.server import EmbeddedRedis
-from rlcli.stream.writer import StreamWriter, check_record, group_advantages_for
+from rlcli.stream.writer import StreamWriter, group_advantages_for
 
 __all__ = [
     "DEFAULT_STREAM",

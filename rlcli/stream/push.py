@@ -5,32 +5,52 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from omegaconf import DictConfig
+
 from rlcli.data.errors import DataError, RecordError
 from rlcli.data.readers import expand_paths, read_records
-from rlcli.stream.writer import StreamWriter, check_record, group_advantages_for
+from rlcli.errors import UserError
+from rlcli.rollout.advantages import computes_advantages, group_estimators
+from rlcli.stream.records import check_record
+from rlcli.stream.writer import StreamWriter, group_advantages_for
 
 BATCH = 500  # records per round trip
-EPS = 1e-6  # advantage.eps of `rlcli train`
 
 
-def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, out: TextIO) -> None:
+def train_advantage() -> DictConfig:
+    """`rlcli train`'s ``advantage`` config (``estimator``, ``eps``), composed as `rlcli train` composes it
+    (with a local ``rlcli_local/`` config): what `rlcli stream push` computes advantages with by default."""
+    from hydra import compose, initialize_config_module
+
+    from rlcli.conf import quiet_local_config_folder
+
+    quiet_local_config_folder()
+    with initialize_config_module("rlcli.conf", version_base=None):
+        return compose(config_name="config").advantage
+
+
+def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, eps: float, out: TextIO) -> None:
     """Push every record of the files ``patterns`` name into ``stream`` at ``url``; print a summary.
 
     A record without ``id`` gets its source (``path:line``, ``path:row N``), one without
     ``policy_version`` gets 0, and those without ``advantage``/``advantages`` get one from ``reward``
-    per ``group_id`` over all the files with estimator ``advantage`` (``none``: they are an error).
-    Any problem (a malformed line, a duplicate id, ...) is a `DataError` naming the record, raised
-    before anything is pushed; an unreachable ``url`` is a `UserError` too.
+    per ``group_id`` over all the files with estimator ``advantage`` and ``eps`` (as ``advantage.*`` of
+    `rlcli train`; estimator ``none``: they are an error). Any problem (a malformed line, a duplicate
+    id, ...) is a `DataError` naming the record, raised before anything is pushed; an unreachable
+    ``url`` is a `UserError` too.
     """
+    if not eps > 0:
+        raise UserError(f"--eps: must be > 0, got {eps}")
     sources, records = _read(patterns)
-    if advantage == "none":
+    if not computes_advantages(advantage):
         missing = [s for s, r in zip(sources, records) if r.get("advantage") is None and r.get("advantages") is None]
         if missing:
-            raise DataError(f"{missing[0]}: no 'advantage' or 'advantages' and --advantage none ({len(missing)} "
-                            "records lack one); --advantage grpo or dr_grpo computes them from 'reward' per 'group_id'")
+            raise DataError(f"{missing[0]}: no 'advantage' or 'advantages' and --advantage {advantage} ({len(missing)} "
+                            f"records lack one); --advantage {' or '.join(group_estimators())} computes them from "
+                            "'reward' per 'group_id'")
     try:
-        if advantage != "none":
-            records = group_advantages_for(records, advantage, eps=EPS, names=sources)
+        if computes_advantages(advantage):
+            records = group_advantages_for(records, advantage, eps=eps, names=sources)
         for source, record in zip(sources, records):
             check_record(record, source)
     except ValueError as err:

@@ -11,12 +11,13 @@ and keeps the books that make training exactly-once across crashes:
   `state_dict` lists the resolved, unacknowledged entries; a resumed reader acknowledges those and
   reads the rest of its pending entries again, in stream order, before any new one.
 
-Rejected records (SPEC §7 rules, or no ``id``/``policy_version``/advantages) and stale ones (sampled
-more than ``max_lag`` versions before the trainer's) are written to this process's rejections file
-(``rejected.jsonl``) and to the ``<stream>:rejected`` stream with their reason; nothing is dropped
-silently. A record rejected after the checkpoint a run resumes from is read and judged again, so
-before its first read a reader cuts its file back to the checkpoint's count of lines (to none when
-starting afresh) and deletes its own ``<stream>:rejected`` entries of records still pending.
+Rejected records (by `check_record`, the writer's check too, or for this trainer's temperature and
+reference log-probs) and stale ones (sampled more than ``max_lag`` versions before the trainer's) are
+written to this process's rejections file (``rejected.jsonl``) and to the ``<stream>:rejected`` stream
+with their reason; nothing is dropped silently. A record rejected after the checkpoint a run resumes
+from is read and judged again, so before its first read a reader cuts its file back to the
+checkpoint's count of lines (to none when starting afresh) and deletes its own ``<stream>:rejected``
+entries of records still pending.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -34,12 +35,12 @@ import redis
 from rlcli.data.errors import RecordError
 from rlcli.data.packing import MicroBatch, make_micro_batch
 from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
-from rlcli.data.schema import Rollout, validate_record
+from rlcli.data.schema import Rollout
 from rlcli.data.writers import to_record
 from rlcli.storage import keep_lines
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import unread
-from rlcli.stream.records import decode, encode, rejected_key
+from rlcli.stream.records import check_record, decode, encode, rejected_key
 
 log = logging.getLogger("rlcli")
 
@@ -251,7 +252,7 @@ class StreamReader:
         raw = None
         try:
             raw = decode(fields)
-            doc = self._validate(raw, source)
+            doc = self._check(raw, source)
         except (ValueError, RecordError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, RecordError) else (None, str(err))
             self._reject(entry, Rejection(source, field, reason, raw if isinstance(raw, dict) else None))
@@ -259,27 +260,17 @@ class StreamReader:
         self.entry_of[doc.index] = entry
         return doc
 
-    def _validate(self, raw, source: str) -> Rollout:
+    def _check(self, raw, source: str) -> Rollout:
+        """The stream contract (`check_record`) and what this trainer's config asks of a record."""
         o = self.options
-        if not isinstance(raw, dict):
-            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
-        record_id, version = raw.get("id"), raw.get("policy_version")
-        if not isinstance(record_id, str) or not record_id:
-            raise RecordError(source, "id", "missing or not a non-empty string (every stream record needs one)")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise RecordError(source, "policy_version", f"is {version!r}, expected an int >= 0")
-        doc = validate_record(raw, source=f"{source} (id {record_id})", index=self._count, vocab_size=o.vocab_size,
-                              max_tokens=o.max_tokens)
-        if doc.advantages is None:
-            raise RecordError(doc.source, "advantages", "missing: a stream record carries its advantages (compute "
-                              "them per group in the sampler, e.g. rlcli.stream.group_advantages_for)")
+        doc = check_record(raw, source, index=self._count, vocab_size=o.vocab_size, max_tokens=o.max_tokens)
         if o.need_ref_logprobs and doc.ref_logprobs is None:
             raise RecordError(doc.source, "ref_logprobs", "missing, and kl.reference=rollouts needs them")
         if not o.allow_temperature_mismatch and sampled_at_other_temperature(doc, o.temperature):
             raise RecordError(doc.source, "temperature", f"sampled at {doc.temperature} but loss.temperature="
                               f"{o.temperature} (data.allow_temperature_mismatch=true trains on it anyway)")
         self._count += 1
-        return replace(doc, id=record_id, policy_version=version)
+        return doc
 
     def _reject(self, entry: str, rejection: Rejection) -> None:
         write_rejections([rejection], self.rejected_path, append=True)

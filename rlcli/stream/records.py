@@ -1,7 +1,11 @@
-"""How rollout records travel through a Redis stream, and the keys that go with a stream.
+"""How rollout records travel through a Redis stream, the one check of a stream record, and the keys
+that go with a stream.
 
-An entry holds one field, ``record``: the SPEC §7 record as JSON, plus ``id`` (a unique string)
-and ``policy_version`` (the weights version that sampled it), so any Redis client can write one.
+An entry holds one field, ``record``: the SPEC §7 record as JSON, plus ``id`` (a unique string),
+``policy_version`` (the weights version that sampled it) and its advantages, so any Redis client can
+write one. `check_record` is that contract: `StreamWriter` checks a record with it before a push, the
+trainer's `StreamReader` every entry it reads.
+
 Beside the stream ``S`` live ``S:rejected`` (records the trainer rejected, with the reason),
 ``S:weights`` (the trainer's newest published weights, as JSON) and, for an hour each,
 ``S:pushed:<token>`` (the entry IDs of a `StreamWriter` batch, so that a retried batch adds nothing twice).
@@ -9,9 +13,13 @@ Beside the stream ``S`` live ``S:rejected`` (records the trainer rejected, with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from rlcli.data.errors import RecordError
+from rlcli.data.schema import Rollout, validate_record
 
 FIELD = "record"
 DEFAULT_STREAM = "rlcli:rollouts"
@@ -38,3 +46,42 @@ def decode(fields: Mapping[str, str]) -> Any:
         return json.loads(fields[FIELD])
     except json.JSONDecodeError as err:
         raise ValueError(f"the {FIELD!r} field is not JSON: {err}") from None
+
+
+def check_record(
+    record: Any, where: str, *, index: int = 0, vocab_size: int | None = None, max_tokens: int | None = None
+) -> Rollout:
+    """``record`` as a `Rollout` with its ``id`` and ``policy_version``; a `RecordError` naming ``where``
+    and the field when it breaks the stream contract.
+
+    A stream record is a JSON object (no NaN or infinity: strict JSON) with ``id`` (a non-empty string),
+    ``policy_version`` (an int >= 0) and ``advantage`` or ``advantages`` (the trainer cannot compute them:
+    a group may reach it in pieces), and it obeys SPEC §7 (`validate_record`, with the trainer's
+    ``vocab_size`` and ``max_tokens`` where known; its errors name ``where (id ...)``). ``index`` is the
+    document's position among those read.
+    """
+    if not _is_json(record):
+        fields = record.items() if isinstance(record, Mapping) else ()
+        field = next((key for key, value in fields if not _is_json(value)), None)
+        raise RecordError(where, field, "is not JSON (NaN, infinity, or a value of a type JSON has not)")
+    if not isinstance(record, Mapping):
+        raise RecordError(where, None, f"expected a JSON object, got {type(record).__name__}")
+    record_id, version = record.get("id"), record.get("policy_version")
+    if not isinstance(record_id, str) or not record_id:
+        raise RecordError(where, "id", f"is {record_id!r}, expected a non-empty string (every stream record has one)")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise RecordError(where, "policy_version", f"is {version!r}, expected an int >= 0")
+    if record.get("advantage") is None and record.get("advantages") is None:
+        raise RecordError(where, "advantages", "no 'advantage' or 'advantages': a stream record carries them "
+                          "(fill them from 'reward' per 'group_id' with rlcli.stream.group_advantages_for)")
+    source = where if record_id == where else f"{where} (id {record_id})"
+    doc = validate_record(record, source=source, index=index, vocab_size=vocab_size, max_tokens=max_tokens)
+    return dataclasses.replace(doc, id=record_id, policy_version=version)
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True

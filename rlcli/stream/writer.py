@@ -4,13 +4,13 @@ A record is a SPEC §7 record plus ``id`` (a string unique in the stream) and ``
 (the weights version that sampled it, an int >= 0). It must also carry ``advantage`` (one value for all
 completion tokens) or ``advantages`` (one per token): the trainer of a stream reads a group in
 pieces and cannot normalise rewards within it, so a sampler that has only rewards fills them with
-`group_advantages_for` first. The writer checks these fields and that the record is JSON; the
-trainer checks the rest and rejects a bad record with the reason.
+`group_advantages_for` first. The writer refuses a record that `check_record` rejects, the check the
+trainer makes too; the trainer also rejects what breaks its own config (a token id outside its
+vocabulary, a record longer than ``data.max_tokens``, another sampling temperature, ...).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +19,7 @@ from typing import Any
 from rlcli.data.errors import format_problem
 from rlcli.rollout.advantages import group_advantages
 from rlcli.stream.connection import connect
-from rlcli.stream.records import DEFAULT_STREAM, FIELD, encode
+from rlcli.stream.records import DEFAULT_STREAM, FIELD, check_record, encode
 
 # Adds one entry to stream KEYS[1] per argument after the first (the field's name) and returns their
 # IDs: a batch is one round trip, and all of it or none of it is in the stream. KEYS[2] names this
@@ -35,47 +35,20 @@ return ids
 """
 
 
-def check_record(record: Mapping[str, Any], where: str) -> dict[str, str]:
-    """The stream entry's fields for ``record``; a ``ValueError`` starting with ``where`` when the
-    record lacks ``id``, ``policy_version`` or an advantage, or holds a value JSON cannot (NaN, ...)."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a mapping, got {type(record).__name__}")
-    record_id = record.get("id")
-    if not isinstance(record_id, str) or not record_id:
-        raise ValueError(format_problem(where, "id", f"is {record_id!r}, expected a non-empty string"))
-    version = record.get("policy_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise ValueError(format_problem(where, "policy_version", f"is {version!r}, expected an int >= 0"))
-    if record.get("advantage") is None and record.get("advantages") is None:
-        raise ValueError(f"{where}: no 'advantage' or 'advantages' (fill them from 'reward' with "
-                         "rlcli.stream.group_advantages_for)")
-    if not _is_json(record):
-        field = next((k for k, v in record.items() if not _is_json(v)), None)
-        raise ValueError(format_problem(where, field, "is not JSON (NaN, infinity, or a value of a type JSON has not)"))
-    return encode(record)
-
-
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def group_advantages_for(
     records: Sequence[Mapping[str, Any]],
-    estimator: str = "grpo",
+    estimator: str,
     *,
-    eps: float = 1e-6,
+    eps: float,
     names: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Copies of ``records`` where each one without ``advantage``/``advantages`` gets ``advantage``
     from its ``reward`` within the records sharing its ``group_id``.
 
-    ``estimator`` is ``grpo`` (``(r - mean) / (std + eps)``, population std) or ``dr_grpo``
-    (``r - mean``), as in `rlcli.rollout.advantages.group_advantages`; records that carry an advantage
-    are kept as they are and left out of the groups. Give whole groups: a group split across two
+    ``estimator`` and ``eps`` are the trainer's ``advantage.estimator`` and ``advantage.eps``, as in
+    `rlcli.rollout.advantages.group_advantages` (``grpo``: ``(r - mean) / (std + eps)``, population std;
+    ``dr_grpo``: ``r - mean``); records that carry an advantage are kept as they are and left out of the
+    groups. Give whole groups: a group split across two
     calls is normalised in two pieces. Errors name the record as ``names[i]`` (default ``record i``).
     """
     names = names if names is not None else [f"record {i}" for i in range(len(records))]
@@ -115,7 +88,10 @@ class StreamWriter:
     def push_many(self, records: Iterable[Mapping[str, Any]]) -> list[str]:
         """Add ``records`` in one round trip, all checked before any is added (errors name the
         ``record i``); their entry IDs in order."""
-        payloads = [check_record(r, f"record {i}")[FIELD] for i, r in enumerate(records)]
+        records = list(records)
+        for i, record in enumerate(records):
+            check_record(record, f"record {i}")
+        payloads = [encode(record)[FIELD] for record in records]
         if not payloads:
             return []
         batch = f"{self.stream}:pushed:{secrets.token_hex(8)}"

@@ -14,6 +14,7 @@ import redis
 from rlcli.cli import main
 from rlcli.stream import connection, push
 from rlcli.stream.server import free_port
+from train_helpers import compose_train_config
 
 STREAM = "test:pushed"
 
@@ -84,6 +85,24 @@ def test_console_script_pushes_parquet_with_dr_grpo(redis_url, tmp_path):
     assert [(r["id"], r["policy_version"], r["advantage"]) for r in pushed] == [
         (f"{path}:row 0", 0, 1.5), (f"{path}:row 1", 0, -0.5), (f"{path}:row 2", 0, 0.0), (f"{path}:row 3", 0, -1.0)
     ]
+
+
+def test_push_computes_grpo_advantages_with_the_eps_given(redis_url, tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", json.dumps(doc(reward=1.0, group_id="g")),
+                    json.dumps(doc(reward=0.0, group_id="g")))
+    assert main(["stream", "push", a, "--url", redis_url, "--stream", STREAM, "--eps", "0.5"]) == 0
+    # rewards 1, 0: mean 0.5, population std 0.5 -> (r - 0.5) / (0.5 + 0.5) = ±0.5
+    assert [r["advantage"] for r in entries(redis_url)] == [0.5, -0.5]
+
+
+def test_push_defaults_are_the_training_config(tmp_path, capsys):
+    advantage = compose_train_config().advantage
+    with pytest.raises(SystemExit):
+        main(["stream", "push", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert f"advantage.estimator, {advantage.estimator})" in usage and f"advantage.eps, {advantage.eps})" in usage
+    assert main(["stream", "push", "x.jsonl", "--url", "redis://127.0.0.1:1/0", "--eps", "0"]) == 2
+    assert "rlcli stream push: error: --eps: must be > 0, got 0.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

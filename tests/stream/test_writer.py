@@ -51,7 +51,7 @@ def test_push_many_of_nothing_adds_nothing(redis_url):
         (record(1, policy_version=None), r"record 1: field 'policy_version': is None"),
         (record(1, policy_version=-1), r"record 1: field 'policy_version': is -1"),
         (record(1, policy_version=1.0), r"record 1: field 'policy_version': is 1.0"),
-        (record(1, advantage=None), r"record 1: no 'advantage' or 'advantages'"),
+        (record(1, advantage=None), r"record 1: field 'advantages': no 'advantage' or 'advantages'"),
         (record(1, old_logprobs=[-0.5, math.nan]), r"record 1: field 'old_logprobs': is not JSON \(NaN"),
         (record(1, reward=-math.inf), r"record 1: field 'reward': is not JSON"),
         (record(1, extra={1, 2}), r"record 1: field 'extra': is not JSON"),
@@ -89,14 +89,14 @@ def test_group_advantages_from_rewards_match_the_grpo_formula():
     assert filled[-1] == records[-1] and "advantage" not in filled[-1]
     assert all("advantage" not in r for r in records[:-1])  # the input is not modified
 
-    dr = group_advantages_for(records, "dr_grpo")
+    dr = group_advantages_for(records, "dr_grpo", eps=eps)
     assert [r["advantage"] for r in dr[:-1]] == pytest.approx([0.4, -0.6, -0.6, 0.4, 0.4, -0.25, 0.25, 0, 0, 0])
 
 
 def test_group_advantages_of_huge_rewards_are_finite():
     records = [{"id": "a", "reward": 1e200, "group_id": "g"}, {"id": "b", "reward": -1e200, "group_id": "g"}]
     # mean 0, std 1e200: ±1e200 / (1e200 + 1e-6) is ±1 in float64
-    assert [r["advantage"] for r in group_advantages_for(records, "grpo")] == [1.0, -1.0]
+    assert [r["advantage"] for r in group_advantages_for(records, "grpo", eps=1e-6)] == [1.0, -1.0]
 
 
 @pytest.mark.parametrize(
@@ -110,9 +110,10 @@ def test_group_advantages_of_huge_rewards_are_finite():
 )
 def test_group_advantages_need_a_reward_and_a_group(bad, message):
     with pytest.raises(ValueError, match=message):
-        group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad])
+        group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad], "grpo", eps=1e-6)
     with pytest.raises(ValueError, match=message.replace("record 1", "b.jsonl:2")):
-        group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad], names=["b.jsonl:1", "b.jsonl:2"])
+        group_advantages_for([{"reward": 1.0, "group_id": "g"}, bad], "grpo", eps=1e-6,
+                             names=["b.jsonl:1", "b.jsonl:2"])
 
 
 def test_a_push_retried_after_its_reply_was_lost_adds_nothing_twice(redis_url, monkeypatch):
