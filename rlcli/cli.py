@@ -87,10 +87,8 @@ def _hydra_app(name: str, args: list[str]) -> int:
 
 
 def _before_task(err: Exception) -> str:
-    from rlcli.stream.push import push_files, train_advantage
     """What went wrong before the task ran: a config that does not compose, or a run directory that
     cannot be created or written (Hydra makes it and its log file first)."""
-    advantage = train_advantage()
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror}"
     cause = err.__cause__
@@ -155,8 +153,10 @@ def _data(args: list[str]) -> int:
 
 def _stream(args: list[str]) -> int:
     from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
+    from rlcli.stream.push import push_files, train_advantage
     from rlcli.stream.records import DEFAULT_STREAM
 
+    advantage = train_advantage()
     parser = argparse.ArgumentParser(prog="rlcli stream", description="The live loop's Redis stream.")
     sub = parser.add_subparsers(dest="action", required=True)
     push = sub.add_parser("push", help="push rollout files into a Redis stream (`rlcli train data=stream` reads it)")
