@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rlcli.data.errors import DataError
 from rlcli.data.schema import Rollout
-from rlcli.rollout.advantages import apply_advantage_estimator, group_advantages
+from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, apply_advantage_estimator, group_advantages
 
 EPS = 1e-6
 
@@ -149,6 +149,25 @@ def test_apply_grpo_needs_reward_and_group(missing):
 def test_apply_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         apply_advantage_estimator([rollout("a:1", reward=1.0, group_id="g")], "rloo", eps=EPS)
+
+
+def test_a_registered_estimator_is_one_function_and_a_config_choice(monkeypatch):
+    from rlcli.conf.validate import ConfigError, validate_config
+    from train_helpers import compose_train_config
+
+    monkeypatch.setattr(ADVANTAGE_ESTIMATORS, "_entries", dict(ADVANTAGE_ESTIMATORS.items()))  # undone after
+
+    @ADVANTAGE_ESTIMATORS.register("spread")
+    def spread(rewards, *, eps):
+        return [r - min(rewards) for r in rewards]
+
+    assert group_advantages([1.0, 3.0, 2.0, 2.0], ["a", "a", "a", "b"], "spread", eps=EPS) == [0.0, 2.0, 1.0, 0.0]
+    cfg = validate_config(compose_train_config(["data=generate", "advantage.estimator=spread"]))
+    assert cfg.advantage.estimator == "spread"
+    with pytest.raises(ConfigError, match=r"must be one of \['none', 'grpo', 'dr_grpo', 'spread'\], got 'nope'"):
+        validate_config(compose_train_config(["advantage.estimator=nope"]))
+    with pytest.raises(ConfigError, match="need grpo or dr_grpo or spread"):
+        validate_config(compose_train_config(["data=generate", "advantage.estimator=none"]))
 
 
 def exact_group_advantages(rewards, estimator, eps):
