@@ -13,14 +13,12 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from rlcli.data.errors import DataError
-from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.packing import MicroBatch, fill_micro_batch
 from rlcli.data.schema import Rollout
 
 
 def pack_documents(rollouts: Iterable[Rollout], max_tokens: int) -> Iterator[MicroBatch]:
-    """Whole documents, in order, in micro-batches of at most ``max_tokens`` tokens: a new
-    micro-batch starts when the next document does not fit (the rule of `DocumentStream`)."""
+    """Whole documents, in order, in micro-batches of at most ``max_tokens`` tokens (`fill_micro_batch`)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     stream = DocumentStream(list(rollouts), max_tokens=max_tokens, shuffle=False, seed=0, epochs=1)
@@ -60,36 +58,23 @@ class DocumentStream:
             order = list(range(len(self.rollouts)))
         return order[self.rank :: self.world_size]
 
-    def _peek(self) -> Rollout | None:
+    def next_document(self, first: bool) -> Rollout | None:
+        """The next document in training order (given-back ones first), or None when the epochs are done
+        (``first`` changes nothing: there is nothing to wait for)."""
         if self.carried:
-            return self.carried[0]
+            return self.carried.popleft()
         while self.offset >= len(self._share):
             if self.epoch + 1 >= self.epochs:
                 return None
             self.epoch += 1
             self.offset = 0
             self._share = self._epoch_share(self.epoch)
-        return self.rollouts[self._share[self.offset]]
-
-    def _pop(self) -> None:
-        if self.carried:
-            self.carried.popleft()
-        else:
-            self.offset += 1
+        self.offset += 1
+        return self.rollouts[self._share[self.offset - 1]]
 
     def next_micro_batch(self) -> MicroBatch | None:
-        """The next documents that fit in ``max_tokens`` (in order), or ``None`` when none is left."""
-        taken: list[Rollout] = []
-        used = 0
-        while (doc := self._peek()) is not None and used + doc.num_tokens <= self.max_tokens:
-            taken.append(doc)
-            used += doc.num_tokens
-            self._pop()
-        if not taken and doc is not None:
-            raise DataError(
-                f"{doc.source}: document has {doc.num_tokens} tokens, more than max_tokens={self.max_tokens}"
-            )
-        return make_micro_batch(taken) if taken else None
+        """The next documents that fit in ``max_tokens`` (`fill_micro_batch`), or ``None`` when none is left."""
+        return fill_micro_batch(self, self.max_tokens)
 
     def give_back(self, documents: Sequence[Rollout]) -> None:
         """Put ``documents`` back at the front, in order: they are served next."""

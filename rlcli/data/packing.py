@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from rlcli.data.errors import DataError
 from rlcli.data.schema import Rollout
 
-__all__ = ["IGNORE_INDEX", "MicroBatch", "make_micro_batch"]
+__all__ = ["IGNORE_INDEX", "DocumentQueue", "MicroBatch", "fill_micro_batch", "make_micro_batch"]
 
 IGNORE_INDEX = -100
 """Label of a position that is not trained on (the ``ignore_index`` convention of PyTorch)."""
@@ -121,3 +123,34 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
         ref_logprobs=_optional_label_values(rollouts, "ref_logprobs"),
         proximal_logprobs=_optional_label_values(rollouts, "proximal_logprobs"),
     )
+
+
+class DocumentQueue(Protocol):
+    """Documents in training order, one at a time: a `DocumentStream`, or a stream reader (`rlcli.stream`)."""
+
+    def next_document(self, first: bool) -> Rollout | None:
+        """The next document, or None when there is none (now); ``first``: it starts a micro-batch."""
+
+    def give_back(self, documents: Sequence[Rollout]) -> None:
+        """Put ``documents`` back at the front, in order: they are served next."""
+
+
+def fill_micro_batch(queue: DocumentQueue, max_tokens: int) -> MicroBatch | None:
+    """The packing rule: the next whole documents of ``queue``, in order, while they fit in ``max_tokens``
+    tokens; the first one that does not fit is given back and starts the next micro-batch.
+
+    None when the queue has no document; a `DataError` when its next document alone is longer than
+    ``max_tokens`` (a document is never split).
+    """
+    taken: list[Rollout] = []
+    used = 0
+    while (doc := queue.next_document(first=not taken)) is not None:
+        if used + doc.num_tokens > max_tokens:
+            queue.give_back([doc])
+            if not taken:
+                raise DataError(f"{doc.source}: document has {doc.num_tokens} tokens, "
+                                f"more than max_tokens={max_tokens}")
+            break
+        taken.append(doc)
+        used += doc.num_tokens
+    return make_micro_batch(taken) if taken else None

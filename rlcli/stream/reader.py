@@ -33,7 +33,7 @@ from pathlib import Path
 import redis
 
 from rlcli.data.errors import RecordError
-from rlcli.data.packing import MicroBatch, make_micro_batch
+from rlcli.data.packing import MicroBatch, fill_micro_batch
 from rlcli.data.readers import Rejection, sampled_at_other_temperature, write_rejections
 from rlcli.data.schema import Rollout
 from rlcli.data.writers import to_record
@@ -96,18 +96,27 @@ class StreamReader:
     # -- the DocumentStream interface used by collect_step
 
     def next_micro_batch(self) -> MicroBatch | None:
-        """The next documents that fit in ``max_tokens``; waits for the first one (None after the idle timeout)."""
-        taken: list[Rollout] = []
-        used = 0
-        while (doc := self._next_document(wait=not taken)) is not None:
-            if used + doc.num_tokens > self.options.max_tokens:
-                self.carried.appendleft(doc)
-                break
-            taken.append(doc)
-            used += doc.num_tokens
-        return make_micro_batch(taken) if taken else None
+        """The next documents that fit in ``max_tokens`` (`fill_micro_batch`); waits for the first one (None
+        after the idle timeout)."""
+        return fill_micro_batch(self, self.options.max_tokens)
+
+    def next_document(self, first: bool) -> Rollout | None:
+        """The next document not too stale to train at the current version: a given-back one, else one read
+        from Redis (see `_read`), waiting for it when it is the ``first`` of a micro-batch."""
+        while (doc := self.carried.popleft() if self.carried else self._read(wait=first)) is not None:
+            staleness = self.staleness(doc)
+            if staleness <= self.options.max_lag:
+                return doc
+            self.stale_dropped += 1
+            entry = self.entry_of.pop(doc.index)
+            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
+                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
+            record = to_record(doc) | {"id": doc.id, "policy_version": doc.policy_version}
+            self._reject(entry, Rejection(doc.source, "policy_version", reason, record))
+        return None
 
     def give_back(self, documents: Sequence[Rollout]) -> None:
+        """Put ``documents`` back at the front, in order: they are served next."""
         self.carried.extendleft(reversed(documents))
 
     # -- exactly-once bookkeeping
@@ -157,20 +166,6 @@ class StreamReader:
         return waited
 
     # -- reading
-
-    def _next_document(self, wait: bool) -> Rollout | None:
-        """The next document not too stale to train at the current version (see `_read`)."""
-        while (doc := self.carried.popleft() if self.carried else self._read(wait)) is not None:
-            staleness = self.staleness(doc)
-            if staleness <= self.options.max_lag:
-                return doc
-            self.stale_dropped += 1
-            entry = self.entry_of.pop(doc.index)
-            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
-                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
-            record = to_record(doc) | {"id": doc.id, "policy_version": doc.policy_version}
-            self._reject(entry, Rejection(doc.source, "policy_version", reason, record))
-        return None
 
     def _read(self, wait: bool) -> Rollout | None:
         """The next valid document from Redis; with ``wait``, blocks until one comes (None after the idle timeout)."""

@@ -7,7 +7,7 @@ import torch
 
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.errors import DataError
-from rlcli.data.packing import make_micro_batch
+from rlcli.data.packing import fill_micro_batch, make_micro_batch
 from rlcli.data.schema import Rollout
 
 
@@ -153,3 +153,37 @@ def test_completion_values_invert_the_label_layout():
     docs = [validate_record(r, source=f"x:{i}", index=i, vocab_size=10) for i, r in enumerate(records)]
     batch = make_micro_batch(docs)
     assert batch.completion_values(batch.old_logprobs) == [(-0.5, 0.0, -2.0), (-3.0,)]
+
+
+class ListQueue:
+    """A `DocumentQueue` over a list that records the ``first`` flag of every request."""
+
+    def __init__(self, docs):
+        self.docs = list(docs)
+        self.firsts = []
+
+    def next_document(self, first):
+        self.firsts.append(first)
+        return self.docs.pop(0) if self.docs else None
+
+    def give_back(self, documents):
+        self.docs[:0] = documents
+
+
+def test_fill_micro_batch_packs_in_order_and_gives_back_the_document_that_does_not_fit():
+    # DOC_A has 5 tokens, DOC_B 4, c 3
+    c = doc([5], [6, 7], index=2)
+    queue = ListQueue([DOC_A, DOC_B, c])
+    first = fill_micro_batch(queue, max_tokens=8)
+    assert first.documents == [DOC_A] and queue.docs == [DOC_B, c]  # B would make 9 tokens: given back
+    assert queue.firsts == [True, False]  # only the first document of a micro-batch is waited for
+    assert fill_micro_batch(queue, max_tokens=8).documents == [DOC_B, c]  # exactly 7, then the queue is empty
+    assert fill_micro_batch(queue, max_tokens=8) is None
+    assert queue.firsts == [True, False, True, False, False, True]
+
+
+def test_fill_micro_batch_refuses_a_document_longer_than_max_tokens_and_keeps_it():
+    queue = ListQueue([DOC_A, DOC_B])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: document has 5 tokens, more than max_tokens=4"):
+        fill_micro_batch(queue, max_tokens=4)
+    assert queue.docs == [DOC_A, DOC_B]
