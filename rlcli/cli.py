@@ -22,77 +22,11 @@ commands:
 """
 
 
-def _group_override_errors(args: list[str]) -> list[str]:
-    """What is wrong with each override that sets a config group to something other than an option name
-    or a list of them (``task=null``, ``loss=1``): Hydra fails on those with a traceback."""
-    from importlib.resources import files
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    conf = files("rlcli.conf")
-    groups = {entry.name for entry in conf.iterdir() if entry.is_dir() and not entry.name.startswith("_")}
-    parser, errors = OverridesParser.create(), []
-    for arg in args:
-        try:
-            override = parser.parse_override(arg)
-        except HydraException:
-            continue  # not an override, or one Hydra reports in one line
-        group = override.key_or_group
-        if group not in groups or override.is_delete() or override.is_sweep_override():
-            continue
-        value = override.value()
-        if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            options = sorted(entry.name.removesuffix(".yaml") for entry in (conf / group).iterdir()
-                             if entry.name.endswith(".yaml"))
-            errors.append(f"{arg}: the config group {group} takes one of {', '.join(options)} (or a list of "
-                          f"them); ~{group} leaves it out")
-    return errors
-
-
 def _hydra_app(name: str, args: list[str]) -> int:
-    """Run the Hydra app of `rlcli.<name>` with ``args`` as its overrides; a composition error (Hydra's
-    exit 1 before the app's task runs: an unknown group option or key) exits 2 like every other
-    config error."""
+    """Run the Hydra app of `rlcli.<name>` (a `rlcli.commands.app.HydraApp`) with ``args`` as its overrides."""
     import importlib
 
-    from rlcli.conf import quiet_local_config_folder
-    from rlcli.errors import CLUSTER_FAILURE, ClusterError
-
-    errors = _group_override_errors(args)
-    if errors:
-        from rlcli.conf.validate import ConfigError
-
-        print(f"rlcli {name}: error: {ConfigError(errors)}", file=sys.stderr)
-        return 2
-    app = importlib.import_module(f"rlcli.{name}")
-    sys.argv = [sys.argv[0], *args]
-    quiet_local_config_folder()
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises what fails before the task, for us to report
-    try:
-        app.hydra_main()
-    except SystemExit as exit:
-        if exit.code == 1 and not app.task_started:
-            return 2
-        return exit.code if isinstance(exit.code, int) else 1
-    except ClusterError as err:  # the driver of a Slurm sweep
-        print(f"rlcli {name}: error: {err}", file=sys.stderr)
-        return CLUSTER_FAILURE
-    except Exception as err:
-        if app.task_started:
-            raise
-        print(f"rlcli {name}: error: {_before_task(err)}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _before_task(err: Exception) -> str:
-    """What went wrong before the task ran: a config that does not compose, or a run directory that
-    cannot be created or written (Hydra makes it and its log file first)."""
-    if isinstance(err, OSError) and err.filename is not None:
-        return f"{err.filename}: {err.strerror}"
-    cause = err.__cause__
-    return f"{err}\n{cause}" if cause is not None and str(cause) not in str(err) else str(err)
+    return importlib.import_module(f"rlcli.{name}").app.run(args)
 
 
 def _train(args: list[str], *, relaunched: bool = False) -> int:

@@ -15,13 +15,12 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rlcli.errors import UserError, exit_on_user_error
+from rlcli.commands.app import hydra_app
+from rlcli.errors import UserError
 
 log = logging.getLogger("rlcli")
-task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 USAGE = "rlcli eval MODEL_DIR [HYDRA OVERRIDES]"
 
 
@@ -100,11 +99,6 @@ def evaluate_model(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    global task_started
-    task_started = True
-    with exit_on_user_error("eval"):
-        evaluate_model(cfg, Path(HydraConfig.get().runtime.output_dir))
+@hydra_app("eval")
+def app(cfg: DictConfig, run_dir: Path) -> None:
+    evaluate_model(cfg, run_dir)

@@ -23,13 +23,11 @@ import time
 from functools import partial
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from rlcli.errors import UserError, exit_on_user_error
+from rlcli.commands.app import hydra_app
+from rlcli.errors import UserError
 from rlcli.processes import die_with_parent
-
-task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 
 SAMPLER_GRACE = 10.0  # seconds the samplers get to exit on the trainer's final announcement
 STOP_TIMEOUT = 60.0  # seconds the processes get to exit after a SIGTERM before they are killed
@@ -211,13 +209,8 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
             server.stop()
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
+@hydra_app("loop")
+def app(cfg: DictConfig, run_dir: Path) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    global task_started
-    task_started = True
-    hydra_cfg = HydraConfig.get()
-    with exit_on_user_error("loop"):
-        code = run_loop(cfg, list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir))
-    sys.exit(code)
+    return run_loop(cfg, list(HydraConfig.get().overrides.task), run_dir)

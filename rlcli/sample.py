@@ -13,15 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
+from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from rlcli.errors import UserError, exit_on_user_error
+from rlcli.commands.app import hydra_app
+from rlcli.errors import UserError
 
 log = logging.getLogger("rlcli")
-task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 WORKER_ENV = "RLCLI_SAMPLE_WORKER"
 
 
@@ -95,10 +94,6 @@ def sample(cfg: DictConfig) -> int:
     return 130 if signals.received == signal.SIGINT else 0
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
-    global task_started
-    task_started = True
-    with exit_on_user_error("sample"):
-        code = sample(cfg)
-    sys.exit(code)
+@hydra_app("sample")
+def app(cfg: DictConfig, run_dir: Path) -> int:
+    return sample(cfg)

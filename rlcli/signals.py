@@ -26,14 +26,14 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from rlcli.processes import launcher
-from rlcli.slurm.requeue import TIME_LIMIT, requeue
 
 log = logging.getLogger("rlcli")
 
+TIME_LIMIT = signal.SIGUSR2  # the warning before a job's time limit, as submitit asks Slurm for it
 # the exit code of a run a signal stopped: 128 + the signal's number, what shells and schedulers expect;
 # SIGUSR1 (Lightning's choice for Slurm's warning before a time limit) stops a run as SIGTERM does, and
-# SIGUSR2 (submitit's choice) too, then hands a Slurm job over to its requeue (`rlcli.slurm.requeue`)
-EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, signal.SIGUSR2: 140, signal.SIGINT: 130}
+# TIME_LIMIT too, after which `rlcli train` hands a Slurm job over to its requeue (`rlcli.slurm.requeue`)
+EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, TIME_LIMIT: 140, signal.SIGINT: 130}
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 
 
@@ -48,11 +48,14 @@ def _ignore(signum, frame) -> None:
 
 
 class RunSignals:
-    """The signals of one run (a context manager); ``active`` is the one in force."""
+    """The signals of one run (a context manager); ``active`` is the one in force. ``at_time_limit``, when
+    `TIME_LIMIT` ends the run during start-up, gets the handler of `TIME_LIMIT` that the run's replaced
+    (`rlcli.slurm.requeue.requeue` hands the job over to it)."""
 
     active: ClassVar[RunSignals | None] = None
 
-    def __init__(self) -> None:
+    def __init__(self, at_time_limit: Callable[[object], None] | None = None) -> None:
+        self.at_time_limit = at_time_limit
         self.phase = STARTING
         self.exit_code: int | None = None  # that of the first signal this process received
         self.interrupt: Callable[[], None] = lambda: None  # ends a wait for data (the step source's)
@@ -100,8 +103,8 @@ class RunSignals:
             log.warning("%s: %s", signum.name, message)
 
     def _end_start_up(self, signum: signal.Signals) -> None:
-        """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now (a Slurm
-        job at its time limit requeued first)."""
+        """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now (a job at
+        its time limit handed over by ``at_time_limit`` first)."""
         rank_zero = launcher()
         if rank_zero is not None:
             try:
@@ -110,9 +113,9 @@ class RunSignals:
             except ProcessLookupError:
                 pass  # rank 0 is gone already
         log.warning("%s during start-up: nothing to save yet; exiting with code %d", signum.name, self.exit_code)
-        if signum == TIME_LIMIT:
+        if signum == TIME_LIMIT and self.at_time_limit is not None:
             try:
-                requeue(self._previous[signum])
+                self.at_time_limit(self._previous[signum])
             except BaseException as err:  # submitit exits once it requeued, or raises why it did not
                 if not isinstance(err, SystemExit):
                     log.error("%s", err)

@@ -3,11 +3,16 @@ one), fsync, and one clear message when the storage refuses a file (`StorageErro
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
 
-from rlcli.errors import DISK_FULL, UserError
+from rlcli.errors import UserError
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # the file does not fit
+# a file the system would not let the run write or read: full, over quota, read-only, not permitted
+REFUSED_BY_STORAGE = DISK_FULL | {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class StorageError(UserError):

@@ -1,21 +1,18 @@
-"""`rlcli train`: the Hydra entry point and the `train(cfg)` function behind it."""
+"""`rlcli train`: its Hydra app (`app`) and the `train(cfg, run_dir)` function behind it."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import signal
-import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import rlcli.conf  # noqa: F401  (the config's resolvers)
-from rlcli.errors import exit_on_user_error
+from rlcli.commands.app import hydra_app
 
 log = logging.getLogger("rlcli")
-task_started = False  # tells cli.main whether a failure came from Hydra's composition or from us
 
 
 def _step_ticks():
@@ -89,24 +86,21 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     return module
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def hydra_main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
+@hydra_app("train")
+def app(cfg: DictConfig, run_dir: Path) -> int | None:
+    """`rlcli train`: the run with its signals; at a time limit, the job handed over to its requeue. The exit
+    code: the stopping signal's on rank 0, 0 on the other ranks, so that no launcher kills rank 0 first."""
     from rlcli.processes import wait_for_launched
     from rlcli.signals import RunSignals
+    from rlcli.slurm.requeue import requeue
 
-    global task_started
-    task_started = True
-    with exit_on_user_error("train"), RunSignals():  # before the heavy imports: signals act from here on
-        module = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    with RunSignals(at_time_limit=requeue):  # before the heavy imports: signals act from here on
+        module = train(cfg, run_dir)
         wait_for_launched(module.trainer)  # the processes rank 0 started end before it does
     from rlcli.callbacks.preemption import stop_code
-    from rlcli.signals import EXIT_CODES
-    from rlcli.slurm.requeue import TIME_LIMIT, requeue
+    from rlcli.signals import EXIT_CODES, TIME_LIMIT
 
     code = stop_code(module.trainer)
     if code == EXIT_CODES[TIME_LIMIT]:
         requeue(signal.getsignal(TIME_LIMIT))  # the handler in force before the run's, back now
-    if code and module.global_rank == 0:
-        sys.exit(code)  # other ranks exit 0, so that no launcher kills rank 0 first
+    return code if module.global_rank == 0 else 0

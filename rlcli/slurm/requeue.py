@@ -1,8 +1,9 @@
 """Slurm's time-limit warning in a sweep member: rlcli saves, then submitit requeues.
 
 hydra-submitit-launcher asks Slurm for ``--signal=USR2@<signal_delay_s>``, and Slurm sends SIGUSR2 to every
-task of the job. `rlcli.signals` takes it like SIGTERM (the step in progress finishes and every rank saves a
-checkpoint), then hands the job over to submitit's own handler of the signal: on rank 0 it requeues the
+task of the job. `rlcli.signals` takes it (`TIME_LIMIT`) like SIGTERM (the step in progress finishes and every
+rank saves a checkpoint), then `rlcli train` hands the job over to submitit's own handler of the signal
+(`requeue`; at start-up through `RunSignals`'s ``at_time_limit``): on rank 0 it requeues the
 job, counting the timeouts against ``hydra.launcher.max_num_timeout``, or raises why it will not. That is
 the one requeue mechanism of a sweep: Lightning's SLURM auto-requeue is never installed
 (`rlcli.callbacks.preemption.StopOnSignal.setup`).
@@ -10,9 +11,7 @@ the one requeue mechanism of a sweep: Lightning's SLURM auto-requeue is never in
 
 from __future__ import annotations
 
-import signal
-
-TIME_LIMIT = signal.SIGUSR2
+from rlcli.signals import TIME_LIMIT
 
 
 def requeue(handler) -> None:

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from rlcli.cli import _group_override_errors
+from rlcli.commands.app import group_override_errors
 from rlcli.conf import build_target, schema
 from rlcli.conf.validate import validate_config
 from rlcli.errors import UserError
@@ -299,7 +299,7 @@ def _one_micro_batch_loss(cfg) -> None:
 def outcome(overrides: list[str]) -> str:
     """``"ok"``, ``"user"`` (one message, exit 2) or ``"hydra"`` (Hydra's one-line composition error);
     any other exception propagates: the CLI would print it as a traceback."""
-    if _group_override_errors(overrides):
+    if group_override_errors(overrides):
         return "user"
     try:
         cfg = compose_quickly(overrides)
@@ -325,7 +325,7 @@ def _quiet():
 @settings(FUZZ, max_examples=8)
 @given(commands())
 def test_compose_quickly_is_composing(overrides):
-    assume(not _group_override_errors(overrides))
+    assume(not group_override_errors(overrides))
     try:
         expected = compose_train_config(overrides)
     except CompactHydraException as err:
