@@ -3,10 +3,11 @@ config as `rlcli train`.
 
 ``rlcli eval MODEL_DIR [OVERRIDES]`` is ``model=hf model.path=MODEL_DIR`` plus the overrides. It reads
 ``model.*`` (loaded with `rlcli.model.policy.build_policy`, on a GPU when there is one and
-``trainer.accelerator`` allows it), ``task``, ``rollout.*`` (sampling options, and
-``prompts_per_step x group_size`` sequences per sampler call), ``eval.samples``, ``eval.prompts`` and
-``seed``, evaluates with `rlcli.rollout.evaluate.evaluate`, prints a table and writes ``eval.json``
-(the settings, the metrics and one row per prompt) into its run directory (``hydra.run.dir``).
+``trainer.accelerator`` allows it), ``task``, ``rollout.*`` (the engine and sampling options of
+`rlcli.rollout.samplers.build_sampler`, and ``prompts_per_step x group_size`` sequences per sampler
+call), ``eval.samples``, ``eval.prompts`` and ``seed``, evaluates with `rlcli.rollout.evaluate.evaluate`,
+prints a table and writes ``eval.json`` (the settings, the metrics and one row per prompt) into its run
+directory (``hydra.run.dir``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def evaluate_model(cfg: DictConfig, run_dir: Path) -> Path:
     from rlcli.conf.validate import resolve_config, validate_config
     from rlcli.model.policy import build_policy
     from rlcli.rollout.evaluate import eval_prompts, evaluate
-    from rlcli.rollout.sampler import build_sampler
+    from rlcli.rollout.samplers import build_sampler
 
     resolved, typed = resolve_config(cfg), validate_config(cfg)
     if typed.task is None or typed.rollout is None:
@@ -77,9 +78,6 @@ def evaluate_model(cfg: DictConfig, run_dir: Path) -> Path:
     task = build_target(typed.task, "task")
     transformers_logging.disable_progress_bar()
     model = build_policy(typed.model).to(_device(typed.trainer.accelerator))
-    if task.tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"task: its tokenizer has {task.tokenizer.vocab_size} ids, the model only "
-                        f"{model.config.vocab_size}")
     e, r = typed.eval, typed.rollout
     prompts = eval_prompts(task, e.prompts)
     sampler = build_sampler(model, r, task.tokenizer)

@@ -22,7 +22,7 @@ from rlcli.eval import model_overrides
 from rlcli.model.policy import build_policy
 from rlcli.report import write_report
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
-from rlcli.rollout.sampler import build_sampler
+from rlcli.rollout.samplers import build_sampler
 from rlcli.train import train
 from train_helpers import compose_train_config, run_rlcli
 

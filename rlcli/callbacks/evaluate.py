@@ -11,7 +11,7 @@ import torch
 from rlcli.conf.schema import RolloutConfig, TrainConfig
 from rlcli.conf.validate import ConfigError
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
-from rlcli.rollout.sampler import build_sampler
+from rlcli.rollout.samplers import build_sampler
 from rlcli.rollout.tasks import Prompt
 from rlcli.training import distributed
 
@@ -19,12 +19,14 @@ from rlcli.training import distributed
 class PeriodicEval(L.Callback):
     """Every ``every`` steps (not at step 0), `rlcli.rollout.evaluate.evaluate` of the current policy on
     ``prompts``: ``samples`` completions of each, sampled as ``rollout`` says (its options, stops and
-    ``max_new_tokens``; ``prompts_per_step x group_size`` sequences per sampler call). The metrics join
-    that step's row as ``eval/<metric>``: the module asks for them (`step_metrics`) after the step's
-    update and before it logs the row, so a step keeps one row.
+    ``max_new_tokens``; ``prompts_per_step x group_size`` sequences per sampler call) with
+    ``rollout.engine``'s sampler (`rlcli.rollout.samplers.build_sampler`: with vLLM, the engine training's
+    rollouts sample with, if they do). The metrics join that step's row as ``eval/<metric>``: the module
+    asks for them (`step_metrics`) after the step's update and before it logs the row, so a step keeps
+    one row.
 
-    The sampler samples the policy in eval mode without gradients, then gives it its mode back. Every rank
-    holds the whole policy (strategy=auto or ddp; sharded strategies are refused by the config):
+    The sampler reads the policy without gradients (the built-in one in eval mode, then gives it its mode
+    back). Every rank holds the whole policy (strategy=auto or ddp; sharded strategies are refused by the config):
     rank ``r`` evaluates prompts ``r, r + world_size, ...`` with seed ``seed + r``, and the per-prompt
     sums are all-reduced, so every rank logs the same means. Each evaluation uses the same seeds,
     so the steps are compared on the same random draws; a single process draws what `rlcli eval`
@@ -62,7 +64,7 @@ class PeriodicEval(L.Callback):
         sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=pl_module.device)  # [M + 1]: sums, count
         if mine:
             r = self.rollout
-            sampler = build_sampler(pl_module.policy, r, self.task.tokenizer)  # eval mode, no gradients, then back
+            sampler = build_sampler(pl_module.policy, r, self.task.tokenizer)
             result = evaluate(self.task, sampler, mine, samples=self.samples, max_new_tokens=r.max_new_tokens,
                               seed=self.seed + rank, batch_size=r.prompts_per_step * r.group_size)
             sums[:-1] = torch.tensor([sum(row[name] for row in result.rows) for name in METRICS], dtype=torch.float64)

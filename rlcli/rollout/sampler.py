@@ -1,7 +1,8 @@
-"""Samplers: the `Sampler` protocol that on-policy rollouts draw from, and `HFSampler`, batched
-autoregressive sampling from a Hugging Face causal LM with a KV cache.
+"""Samplers: the `Sampler` protocol that rollouts and evaluations draw from, and `HFSampler`, batched
+autoregressive sampling from a Hugging Face causal LM with a KV cache (``rollout.engine=hf``; every
+command builds its sampler with `rlcli.rollout.samplers.build_sampler`).
 
-The recorded log-probability of a sampled token is the log-softmax of ``logits / temperature``
+`HFSampler` records the log-probability of a sampled token as the log-softmax of ``logits / temperature``
 over the *full* vocabulary, also when ``top_k``/``top_p`` truncate the distribution the token is
 drawn from. That is the ``lp_t`` the trainer recomputes (SPEC §2), so the importance ratio is 1
 at the first update on fresh rollouts; truncation only changes which tokens get sampled.
@@ -19,7 +20,6 @@ from typing import Any, Protocol
 
 import torch
 
-from rlcli.errors import UserError
 from rlcli.modules.bounds import TEMPERATURE, check_value
 
 __all__ = [
@@ -28,11 +28,9 @@ __all__ = [
     "Sampler",
     "SamplingOptions",
     "StopStrings",
-    "build_sampler",
     "check_request",
     "check_sampling_options",
     "sample_completions",
-    "sampling_options",
 ]
 
 
@@ -46,17 +44,28 @@ class Completion:
 
 
 class Sampler(Protocol):
-    """Draws completions from the current policy; what `rlcli.rollout.onpolicy.OnPolicyRollouts` calls.
+    """Draws completions from a policy: what rollouts (`rlcli.rollout.onpolicy.OnPolicyRollouts`) and
+    evaluations (`rlcli.rollout.evaluate.evaluate`) call.
 
     Sampling options (temperature, truncation, stop strings and extra stop ids) are the sampler's
     own, set when it is built. ``sample`` returns one `Completion` per prompt, in order. A
     completion ends after its first token of ``stop_ids`` or of the sampler's own stop ids, or
     after the token that completes one of its stop strings (kept, ``stopped=True``), or at
-    ``max_new_tokens`` (>= 1) tokens. Its ``logprobs`` are each token's log-probability under the
-    full distribution at ``temperature`` (the trainer's ``lp_t``, SPEC §2), whatever truncation
-    chose the token. Random draws come from ``generator`` only, so a seeded generator gives the
-    same completions again.
+    ``max_new_tokens`` (>= 1) tokens. Random draws come from ``generator`` only, so a seeded
+    generator and the same weights give the same completions again.
+
+    Its ``logprobs`` are each token's log-probability at ``temperature``. Without truncation
+    (``top_p = 1``, ``top_k = 0``) every sampler gives the trainer's ``lp_t`` (SPEC §2). Under
+    truncation they differ: `HFSampler` gives the full distribution's (still ``lp_t``),
+    `rlcli.rollout.vllm_sampler.VLLMSampler` those of the truncated, renormalised distribution the
+    token was drawn from (vLLM's processed log-probs), which the trainer uses only through the
+    mismatch correction (the config refuses vLLM with truncation and without it).
     """
+
+    @property
+    def sync_seconds(self) -> float | None:
+        """The seconds the last ``sample`` spent loading the policy's weights into the engine; None for a
+        sampler that loads none (it samples the model in place, or weights loaded when it was built)."""
 
     @property
     def temperature(self) -> float:
@@ -269,9 +278,11 @@ class SamplingOptions:
 class HFSampler(SamplingOptions):
     """A `Sampler` over a Hugging Face causal LM: `sample_completions` with these options.
 
-    ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights.
-    ``options`` are `SamplingOptions`'.
+    ``model`` is the bare module (not a DDP wrapper); every call samples with its current weights, in
+    place (``sync_seconds`` is None). ``options`` are `SamplingOptions`'.
     """
+
+    sync_seconds = None
 
     def __init__(self, model: torch.nn.Module, **options: Any) -> None:
         super().__init__(**options)
@@ -304,26 +315,3 @@ class HFSampler(SamplingOptions):
             stop_strings=self.stop_strings,
             decode=self.decode,
         )
-
-
-def sampling_options(rollout: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
-    """The `SamplingOptions` of ``rollout`` (``temperature``, ``top_p``, ``top_k``, ``stop``) for a task's
-    ``tokenizer`` and a policy of ``vocab_size`` ids: the strings of ``rollout.stop`` are searched in the
-    text ``tokenizer.decode`` gives; its ids and the tokenizer's own ``stop_ids`` (if it has any) end
-    completions like eos. A stop that cannot work is a `UserError`."""
-    strings = [s for s in rollout.stop if isinstance(s, str)]
-    ids = [s for s in rollout.stop if not isinstance(s, str)]
-    if "" in strings:
-        raise UserError("rollout.stop: an empty stop string would end every completion at its first token")
-    outside = [i for i in ids if not 0 <= i < vocab_size]
-    if outside:
-        raise UserError(f"rollout.stop: ids {outside} are outside the model's vocabulary (0..{vocab_size - 1})")
-    return {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
-            "stop_strings": strings, "stop_ids": (*ids, *getattr(tokenizer, "stop_ids", ())),
-            "decode": tokenizer.decode}
-
-
-def build_sampler(model: torch.nn.Module, rollout: Any, tokenizer: Any) -> HFSampler:
-    """The `HFSampler` of ``rollout``'s `sampling_options` for a task's ``tokenizer``."""
-    vocab_size = model.get_output_embeddings().weight.shape[0]
-    return HFSampler(model, **sampling_options(rollout, tokenizer, vocab_size))

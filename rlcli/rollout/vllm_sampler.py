@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, check_request, sampling_options
+from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, check_request
 from rlcli.rollout.vllm_engine import VLLMEngine
 
-__all__ = ["VLLMSampler", "build_vllm_sampler"]
+__all__ = ["VLLMSampler"]
 
 SEED_BOUND = 1 << 62  # per-request seeds are drawn below this
 
@@ -26,14 +26,14 @@ class VLLMSampler(SamplingOptions):
     """Samples with ``engine``. With ``policy`` (the colocated trainer's bare module) every `sample`
     first loads the policy's current parameters into the engine, so it never samples stale weights;
     without, the caller loads each new version (`VLLMEngine.load_weights`). Log-probs are vLLM's
-    processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation.
-    ``options`` are `SamplingOptions`'."""
+    processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation
+    (the `rlcli.rollout.sampler.Sampler` contract). ``options`` are `SamplingOptions`'."""
 
     def __init__(self, engine: VLLMEngine, *, policy: torch.nn.Module | None = None, **options: Any) -> None:
         super().__init__(**options)
         self.engine = engine
         self.policy = policy
-        self.sync_seconds: float | None = None  # of the last load of the policy's weights
+        self.sync_seconds: float | None = None  # of the last sample's load of the policy's weights
 
     @property
     def vocab_size(self) -> int:
@@ -78,10 +78,3 @@ class VLLMSampler(SamplingOptions):
             if finder.ended([token], [True]):
                 return Completion(completion.ids[:length], completion.logprobs[:length], stopped=True)
         return completion
-
-
-def build_vllm_sampler(
-    engine: VLLMEngine, rollout: Any, tokenizer: Any, *, policy: torch.nn.Module | None = None
-) -> VLLMSampler:
-    """The `VLLMSampler` of ``rollout``'s `sampling_options` for a task's ``tokenizer``, on ``engine``."""
-    return VLLMSampler(engine, policy=policy, **sampling_options(rollout, tokenizer, engine.vocab_size))

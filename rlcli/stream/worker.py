@@ -16,15 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.writers import to_record
 from rlcli.errors import UserError
 from rlcli.rollout.onpolicy import OnPolicyRollouts, step_seed
-from rlcli.rollout.sampler import Sampler, build_sampler
-from rlcli.rollout.vllm_engine import VLLMEngine, checkpoint_weights
-from rlcli.rollout.vllm_sampler import build_vllm_sampler
+from rlcli.rollout.samplers import Samplers
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import newest_weights, unread
 from rlcli.stream.records import weights_key
@@ -65,13 +61,12 @@ class SamplerWorker:
         self.sample = sample
         self.worker = worker
         self.stop = stop
-        self.trust_remote_code = trust_remote_code
         self.token = secrets.token_hex(4)
         self.seed = step_seed(seed, int(self.token, 16), worker)  # `seed` mixed with the process's token
         self.writer = StreamWriter(conn.url, data.stream, key="data.url")
         self.version: int | None = None  # of the weights loaded
         self.rollouts: OnPolicyRollouts | None = None
-        self.engine: VLLMEngine | None = None  # rollout.engine=vllm: built with the first weights
+        self.samplers = Samplers(rollout, task.tokenizer, trust_remote_code=trust_remote_code)
         self.rounds = 0  # pushed by this process: the next round's number
 
     def run(self, max_rounds: int | None = None) -> str:
@@ -87,8 +82,7 @@ class SamplerWorker:
 
     def close(self) -> None:
         self.writer.close()
-        if self.engine is not None:
-            self.engine.close()
+        self.samplers.close()
 
     def _wait_for_room(self) -> str | None:
         """Wait until a round may be pushed (None), the trainer is done (``"final"``) or ``stop()``."""
@@ -131,16 +125,13 @@ class SamplerWorker:
         """Sample with the announced weights from now on."""
         version, path = announcement["version"], announcement["path"]
         try:
-            sampler = self._sampler(path)
+            sampler = self.samplers.of_checkpoint(path)
         except (OSError, ValueError) as err:
             newer = newest_weights(self.conn, self.data.stream)
             if newer is not None and newer["version"] != version:
                 return  # pruned while it loaded: the next look loads the one announced now
             raise UserError(f"sampler {self.worker}: cannot load the trainer's weights v{version} "
                             f"from {path}: {err}") from None
-        if self.task.tokenizer.vocab_size > sampler.vocab_size:
-            raise UserError(f"task: its tokenizer has {self.task.tokenizer.vocab_size} ids, the published model "
-                            f"only {sampler.vocab_size}")
         r = self.rollout
         self.rollouts = OnPolicyRollouts(
             self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
@@ -149,25 +140,6 @@ class SamplerWorker:
         )
         self.version = version
         log.info("sampler %d: sampling with the weights v%d from %s", self.worker, version, path)
-
-    def _sampler(self, path: str) -> Sampler:
-        """A sampler of the checkpoint at ``path``: a new float32 model in eval mode (rollout.engine=hf),
-        or the weights loaded into this process's vLLM engine, built on the first call (vllm)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-        if self.rollout.engine == "vllm":
-            if self.engine is None:
-                config = AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code)
-                self.engine = VLLMEngine(config, self.rollout.vllm)
-            seconds = self.engine.load_weights(checkpoint_weights(path))
-            log.info("sampler %d: weights loaded into vLLM in %.2f s", self.worker, seconds)
-            return build_vllm_sampler(self.engine, self.rollout, self.task.tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     trust_remote_code=self.trust_remote_code)
-        model.eval()
-        return build_sampler(model, self.rollout, self.task.tokenizer)
 
     def _push_round(self) -> None:
         round_ = self.rounds

