@@ -27,12 +27,16 @@ from rlcli.conf import quiet_local_config_folder  # (and the config's resolvers)
 from rlcli.errors import CLUSTER_FAILURE, ClusterError, UserError
 from rlcli.storage import REFUSED_BY_STORAGE
 
-Task = Callable[[DictConfig, Path], "int | None"]
+Task = Callable[[DictConfig, Path], int | None]  # the exit code; None: 0
 
 
 def hydra_app(command: str) -> Callable[[Task], HydraApp]:
     """Decorator: ``task`` as the Hydra app of ``rlcli <command>``."""
-    return lambda task: HydraApp(command, task)
+
+    def wrap(task: Task) -> HydraApp:
+        return HydraApp(command, task)
+
+    return wrap
 
 
 class HydraApp:
@@ -52,7 +56,7 @@ class HydraApp:
             print(f"rlcli {self.command}: error: {ConfigError(errors)}", file=sys.stderr)
             return 2
 
-        @functools.wraps(self.task)  # Hydra names the job after the task's module: its log is train.log
+        @functools.wraps(self.task)  # Hydra names the job after the task's module: its log is <module>.log
         def job(cfg: DictConfig) -> None:
             self._job(cfg)
 
