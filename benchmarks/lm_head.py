@@ -2,7 +2,7 @@
 
 What is measured, per configuration: one training micro-step of the loss path,
 
-    fused_micro_batch_loss(hidden, weight, labels, ..., chunk_tokens=C) -> backward
+    fused_micro_batch_loss(hidden, weight, labels, inputs, totals, spec, HeadSpec(chunk_tokens=C)) -> backward
 
 (the head and the policy loss in one pass, as `rlcli train` runs them) with gradients for
 ``hidden`` and ``weight``, against a *naive* baseline that builds the full
@@ -169,8 +169,8 @@ def _make_step_inputs(cfg: dict, device: torch.device):
     group = doc // 4  # four documents per prompt
     advantages = torch.randn(n // cfg["doc_tokens"] + 1, generator=g)[doc]  # one advantage per document
     # plausible sampler log-probs: ratios far from 1, some clipped
-    old_logprobs = -torch.rand(n, generator=g) * 10 - 0.1
-    rest = [t.to(device) for t in (labels, mask, doc, group, advantages, old_logprobs)]
+    sampler_logprobs = -torch.rand(n, generator=g) * 10 - 0.1
+    rest = [t.to(device) for t in (labels, mask, doc, group, advantages, sampler_logprobs)]
     return hidden, weight, *rest
 
 
@@ -180,7 +180,16 @@ def _worker(cfg: dict) -> list[dict]:
     that time each configuration once in turn, so that a change in the machine's load shows in all
     of them alike. ``mode="memory"``: one configuration, a warm-up and one run, and the process's
     peak beyond the inputs and their gradients."""
-    from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss, policy_loss
+    from rlcli.modules import (
+        HeadSpec,
+        LossInputs,
+        LossSpec,
+        Segments,
+        StepTotals,
+        auto_chunk_tokens,
+        fused_micro_batch_loss,
+        policy_loss,
+    )
 
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
@@ -189,21 +198,21 @@ def _worker(cfg: dict) -> list[dict]:
     loss_name, with_entropy = cfg.get("loss", "grpo"), bool(cfg.get("entropy", False))
     metrics = "with_entropy" if with_entropy else "basic"
     torch.manual_seed(0)
-    hidden, weight, labels, mask, doc, group, advantages, old_logprobs = _make_step_inputs(cfg, device)
+    hidden, weight, labels, mask, doc, group, advantages, sampler_logprobs = _make_step_inputs(cfg, device)
     # the fp32 head for half inputs (what the trainer runs with fp32_lm_head: true)
     fp32 = hidden.dtype in (torch.float16, torch.bfloat16)
+    spec = LossSpec(loss_name, aggregation="token_mean", metrics=metrics)
 
     def forward_backward(hidden, weight, labels, sl, chunk):
+        inputs = LossInputs(proximal_logprobs=sampler_logprobs[sl], advantages=advantages[sl], mask=mask[sl],
+                            document_index=doc[sl], group_index=group[sl])
         if chunk == NAIVE:
             lp, ent = _naive_logprobs(hidden, weight, labels, 1.0, with_entropy)
-            loss, _ = policy_loss(lp, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], group[sl],
-                                  loss=loss_name, aggregation="token_mean", metrics=metrics, entropy=ent)
+            loss, _ = policy_loss(lp, inputs, spec, entropy=ent)
         else:
             totals = StepTotals.of_tokens(mask[sl], Segments.of(doc[sl]), group[sl], int(group[sl].max()) + 1)
-            loss, _ = fused_micro_batch_loss(
-                hidden, weight, labels, old_logprobs[sl], advantages[sl], mask[sl], doc[sl], totals, group[sl],
-                loss=loss_name, aggregation="token_mean", metrics=metrics, fp32=fp32, chunk_tokens=chunk,
-            )
+            loss, _ = fused_micro_batch_loss(hidden, weight, labels, inputs, totals, spec,
+                                             HeadSpec(fp32=fp32, chunk_tokens=chunk))
         loss.backward()
         return loss
 

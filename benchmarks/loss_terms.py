@@ -48,7 +48,16 @@ def _parse(argv):
 def run(args) -> dict:
     from rlcli.data.document_stream import pack_documents
     from rlcli.model.scorer import TokenScorer
-    from rlcli.modules import KLPenalty, Segments, StepTotals, fused_micro_batch_loss, head_logprobs
+    from rlcli.modules import (
+        HeadSpec,
+        KLPenalty,
+        LossInputs,
+        LossSpec,
+        Segments,
+        StepTotals,
+        fused_micro_batch_loss,
+        head_logprobs,
+    )
 
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -56,28 +65,28 @@ def run(args) -> dict:
                                     mb.mask, mb.document_index)]
             for mb in pack_documents(_rollouts(args), args.max_tokens)]
     model, attention = _model(args, device)
-    head = dict(temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens, with_entropy=False)
-    scorer = TokenScorer(model, **head)
-    reference = TokenScorer(copy.deepcopy(model).requires_grad_(False), **head)
+    head = HeadSpec(chunk_tokens=args.chunk_tokens)
+    plain, with_kl = LossSpec(), LossSpec(kl=KLPenalty(coef=0.05))
+    scorer = TokenScorer(model, head, with_entropy=False)
+    reference = TokenScorer(copy.deepcopy(model).requires_grad_(False), head, with_entropy=False)
     totals = [StepTotals.of_tokens(mask, Segments.of(doc)) for *_, mask, doc in rows]
 
     @torch.no_grad()
     def logprobs_pass(of):
         out = []
         for input_ids, position_ids, labels, _, _, mask, doc in rows:
-            score = functools.partial(head_logprobs, labels=labels, mask=mask, document_index=doc,
-                                      chunk_tokens=args.chunk_tokens)
+            score = functools.partial(head_logprobs, labels=labels, mask=mask, document_index=doc, spec=plain,
+                                      head=head)
             out.append(of(input_ids, position_ids, labels, head_loss=score))
         return out
 
     def train_pass(reference_logprobs=None):
-        for i, (input_ids, position_ids, labels, old, adv, mask, doc) in enumerate(rows):
-            kl = {} if reference_logprobs is None else dict(kl=KLPenalty(coef=0.05),
-                                                           reference_logprobs=reference_logprobs[i])
-            head_loss = functools.partial(
-                fused_micro_batch_loss, labels=labels, old_logprobs=old, advantages=adv, mask=mask,
-                document_index=doc, totals=totals[i], chunk_tokens=args.chunk_tokens, **kl,
-            )
+        for i, (input_ids, position_ids, labels, sampler, adv, mask, doc) in enumerate(rows):
+            inputs = LossInputs(proximal_logprobs=sampler, advantages=adv, mask=mask, document_index=doc,
+                                reference_logprobs=None if reference_logprobs is None else reference_logprobs[i])
+            spec = plain if reference_logprobs is None else with_kl
+            head_loss = functools.partial(fused_micro_batch_loss, labels=labels, inputs=inputs, totals=totals[i],
+                                          spec=spec, head=head)
             loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
             loss.backward()
         model.zero_grad(set_to_none=True)

@@ -124,7 +124,7 @@ def _padded_batch(docs, device):
 def run(args) -> dict:
     from rlcli.data.document_stream import pack_documents
     from rlcli.model.scorer import TokenScorer
-    from rlcli.modules import Segments, StepTotals, fused_micro_batch_loss
+    from rlcli.modules import HeadSpec, LossInputs, LossSpec, Segments, StepTotals, fused_micro_batch_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,16 +140,15 @@ def run(args) -> dict:
     padded_tokens = sum(b[0].numel() for b in padded)
     model, attn_implementation = _model(args, device)
     fp32_head = device.type == "cuda"  # bfloat16 model, float32 head and softmax
-    scorer = TokenScorer(model, temperature=1.0, fp32_lm_head=False, chunk_tokens=args.chunk_tokens,
-                         with_entropy=False)
+    head = HeadSpec(fp32=fp32_head, chunk_tokens=args.chunk_tokens)
+    scorer = TokenScorer(model, head, with_entropy=False)
 
     def packed_pass():
-        for input_ids, position_ids, labels, old, adv, mask, doc in packed:
+        for input_ids, position_ids, labels, sampler, adv, mask, doc in packed:
+            inputs = LossInputs(proximal_logprobs=sampler, advantages=adv, mask=mask, document_index=doc)
             totals = StepTotals.of_tokens(mask, Segments.of(doc))
-            head_loss = functools.partial(
-                fused_micro_batch_loss, labels=labels, old_logprobs=old, advantages=adv, mask=mask,
-                document_index=doc, totals=totals, chunk_tokens=args.chunk_tokens, fp32=fp32_head,
-            )
+            head_loss = functools.partial(fused_micro_batch_loss, labels=labels, inputs=inputs, totals=totals,
+                                          spec=LossSpec(), head=head)
             loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
             loss.backward()
         model.zero_grad(set_to_none=True)

@@ -189,19 +189,14 @@ def test_the_shipped_loss_files_hold_the_defaults_of_their_loss_classes():
 
 
 def test_the_library_defaults_are_the_config_defaults():
-    """`rlcli.modules` used directly defaults to what `rlcli train` does."""
-    import inspect
-
-    from rlcli.modules import fused_micro_batch_loss, micro_batch_loss, policy_loss, token_logprobs
+    """`rlcli.modules` used directly (its `LossSpec` and `HeadSpec`) defaults to what `rlcli train` does."""
+    from rlcli.modules import HeadSpec, LossSpec
 
     cfg = compose_train_config(["data=rollouts"])
-    expected = {"temperature": cfg.loss.temperature, "fp32": cfg.loss.fp32_lm_head,
-                "chunk_tokens": cfg.loss.chunk_tokens, "aggregation": cfg.aggregation.name,
-                "metrics": cfg.metrics.level, "loss": cfg.loss.name}
-    for function in (fused_micro_batch_loss, micro_batch_loss, policy_loss, token_logprobs):
-        parameters = inspect.signature(function).parameters
-        defaults = {name: parameters[name].default for name in expected if name in parameters}
-        assert defaults == {name: expected[name] for name in defaults}, function.__name__
+    spec, head = LossSpec(), HeadSpec()
+    assert (spec.loss.name, spec.aggregation, spec.metrics) == (cfg.loss.name, cfg.aggregation.name, cfg.metrics.level)
+    assert (head.temperature, head.fp32, head.chunk_tokens) == (cfg.loss.temperature, cfg.loss.fp32_lm_head,
+                                                                cfg.loss.chunk_tokens)
 
 
 @pytest.mark.parametrize(

@@ -155,12 +155,13 @@ def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
     from rlcli.data.readers import load_rollouts
     from rlcli.model.policy import build_policy
     from rlcli.model.scorer import TokenScorer
+    from rlcli.modules import HeadSpec
     from rlcli.rollout.advantages import apply_advantage_estimator
 
     torch.manual_seed(0)
     cfg = compose_train_config(["data=rollouts"])
     policy = build_policy(cfg.model)
-    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
+    scorer = TokenScorer(policy, HeadSpec(chunk_tokens=0), with_entropy=False)
     documents, _ = load_rollouts([small_rollouts], vocab_size=64)
     documents = apply_advantage_estimator(documents, "grpo", eps=cfg.advantage.eps)[:6]
 

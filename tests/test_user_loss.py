@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlcli.modules import PolicyLoss, RatioUnits, register_loss
+from rlcli.modules import LOSSES, PolicyLoss, RatioUnits
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class Reinforce(PolicyLoss):
     """l_t = -coef * A_t * lp_t: plain REINFORCE with a scale."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlcli.model import varlen_attention
-from rlcli.modules.lm_head import token_logprobs
+from rlcli.modules.lm_head import HeadSpec, token_logprobs
 
 
 class TokenScorer(torch.nn.Module):
@@ -20,13 +20,10 @@ class TokenScorer(torch.nn.Module):
     returns ``head_loss``'s result instead (e.g. `fused_micro_batch_loss`), still inside the forward.
     """
 
-    def __init__(self, policy: torch.nn.Module, *, temperature: float, fp32_lm_head: bool,
-                 chunk_tokens: int | str, with_entropy: bool) -> None:
+    def __init__(self, policy: torch.nn.Module, head: HeadSpec, *, with_entropy: bool) -> None:
         super().__init__()
         self.policy = policy
-        self.temperature = temperature
-        self.fp32_lm_head = fp32_lm_head
-        self.chunk_tokens = chunk_tokens
+        self.head = head
         self.with_entropy = with_entropy
 
     def forward(self, input_ids, position_ids, labels, head_loss=None):
@@ -39,12 +36,4 @@ class TokenScorer(torch.nn.Module):
         weight = self.policy.get_output_embeddings().weight  # [V, H]
         if head_loss is not None:
             return head_loss(hidden, weight)
-        return token_logprobs(
-            hidden,
-            weight,
-            labels,
-            temperature=self.temperature,
-            fp32=self.fp32_lm_head,
-            chunk_tokens=self.chunk_tokens,
-            with_entropy=self.with_entropy,
-        )
+        return token_logprobs(hidden, weight, labels, self.head, with_entropy=self.with_entropy)

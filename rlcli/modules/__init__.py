@@ -1,22 +1,18 @@
 """Pure tensor math of rlcli: LM head log-probs, policy losses, aggregation and metrics.
 
-Nothing here knows about Lightning or torch.distributed.
+Nothing here knows about Lightning or torch.distributed. A loss call takes three bundles: the
+`LossInputs` (tensors named by where they come from), the `LossSpec` (what to optimise) and, for the
+fused head, the `HeadSpec` (how the head scores).
 """
 
 from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
 from rlcli.modules.fused_head import fused_micro_batch_loss, head_logprobs
-from rlcli.modules.lm_head import auto_chunk_tokens, token_logprobs
-from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, RatioUnits, make_loss, register_loss
+from rlcli.modules.lm_head import HeadSpec, auto_chunk_tokens, token_logprobs
+from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, RatioUnits, make_loss
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
-from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss, policy_loss
-from rlcli.modules.regularizers import (
-    CORRECTION_LEVELS,
-    CORRECTION_MODES,
-    KL_ESTIMATORS,
-    Correction,
-    KLPenalty,
-    Terms,
-)
+from rlcli.modules.policy_loss import LossSpec, micro_batch_loss, policy_loss
+from rlcli.modules.registry import Registry, UnknownName
+from rlcli.modules.regularizers import CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, Correction, KLPenalty
 from rlcli.modules.segments import Segments
 
 __all__ = [
@@ -30,15 +26,17 @@ __all__ = [
     "METRIC_LEVELS",
     "Correction",
     "KLPenalty",
-    "Terms",
+    "HeadSpec",
     "LossInputs",
+    "LossSpec",
     "MetricPartials",
     "PolicyLoss",
     "RatioUnits",
+    "Registry",
     "Segments",
     "StepTotals",
+    "UnknownName",
     "auto_chunk_tokens",
-    "check_policy_loss_options",
     "finalize_metrics",
     "fused_micro_batch_loss",
     "head_logprobs",
@@ -46,7 +44,6 @@ __all__ = [
     "metric_partials",
     "micro_batch_loss",
     "policy_loss",
-    "register_loss",
     "token_logprobs",
     "token_weights",
 ]

@@ -7,22 +7,23 @@ part of ``L`` and the parts add up exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rlcli.modules.bounds import FLOAT32_MAX, FLOAT32_TINY, check_value
+from rlcli.modules.registry import Registry
 from rlcli.modules.segments import Segments
 
-AGGREGATIONS = ("token_mean", "sample_mean", "prompt_mean", "constant")
+AGGREGATIONS: Registry[Callable[..., torch.Tensor]] = Registry("aggregation")
 # the weights 1 / (divisor·D) are float32 numbers: past these bounds they flush to 0 or to inf
 DIVISOR = {"ge": FLOAT32_TINY, "le": FLOAT32_MAX}
 
 
 def check_aggregation_options(aggregation: str, divisor: float | None) -> None:
     """Raise ``ValueError`` naming the invalid argument."""
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+    AGGREGATIONS[aggregation]  # an unknown name: the registry's error
     if aggregation == "constant":
         if divisor is None:
             raise ValueError("divisor is required for aggregation 'constant'")
@@ -120,18 +121,32 @@ def token_weights(
     Denominators are clamped to at least 1: they only matter where ``m_t = 1``, and there they are
     >= 1 already, so a step with nothing to train on gets weights 0, never NaN.
     """
-    dtype = mask.dtype
-    documents = totals.documents.to(dtype).clamp(min=1)
-    if aggregation == "token_mean":
-        return mask / totals.tokens.to(dtype).clamp(min=1)
-    if aggregation == "sample_mean":
-        doc_tokens = segments.sum(mask.detach()).clamp(min=1)  # [S] n_d
-        return mask / (segments.broadcast(doc_tokens) * documents)
-    if aggregation == "prompt_mean":
-        if group_index is None:
-            raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
-        group_tokens = totals.group_tokens.to(dtype)[group_index].clamp(min=1)  # [N] T_g
-        return mask / (group_tokens * totals.groups.to(dtype).clamp(min=1))
-    if aggregation == "constant":
-        return mask / (divisor * documents)
-    raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+    return AGGREGATIONS[aggregation](mask, segments, totals, divisor=divisor, group_index=group_index)
+
+
+@AGGREGATIONS.register("token_mean")
+def _token_mean(mask, segments, totals, *, divisor, group_index) -> torch.Tensor:
+    """``1 / T``"""
+    return mask / totals.tokens.to(mask.dtype).clamp(min=1)
+
+
+@AGGREGATIONS.register("sample_mean")
+def _sample_mean(mask, segments, totals, *, divisor, group_index) -> torch.Tensor:
+    """``1 / (n_d · D)``"""
+    doc_tokens = segments.sum(mask.detach()).clamp(min=1)  # [S] n_d
+    return mask / (segments.broadcast(doc_tokens) * totals.documents.to(mask.dtype).clamp(min=1))
+
+
+@AGGREGATIONS.register("prompt_mean")
+def _prompt_mean(mask, segments, totals, *, divisor, group_index) -> torch.Tensor:
+    """``1 / (T_g · P)``"""
+    if group_index is None:
+        raise ValueError("aggregation 'prompt_mean' needs group_index (the group of each token)")
+    group_tokens = totals.group_tokens.to(mask.dtype)[group_index].clamp(min=1)  # [N] T_g
+    return mask / (group_tokens * totals.groups.to(mask.dtype).clamp(min=1))
+
+
+@AGGREGATIONS.register("constant")
+def _constant(mask, segments, totals, *, divisor, group_index) -> torch.Tensor:
+    """``1 / (divisor · D)``"""
+    return mask / (divisor * totals.documents.to(mask.dtype).clamp(min=1))

@@ -50,17 +50,17 @@ from torch.autograd.function import once_differentiable
 
 from rlcli.modules.aggregation import StepTotals, token_weights
 from rlcli.modules.lm_head import (
+    HeadSpec,
     check_head_inputs,
     chunk_logits,
     head_compute_dtype,
     head_operands,
     labels_and_valid,
-    resolve_chunk_tokens,
 )
-from rlcli.modules.losses import LOSSES, LossInputs, PolicyLoss, make_loss
+from rlcli.modules.losses import LossInputs
 from rlcli.modules.metrics import MetricPartials
-from rlcli.modules.policy_loss import check_policy_loss_options, micro_batch_loss
-from rlcli.modules.regularizers import Correction, KLPenalty, Terms, importance_weights, token_losses
+from rlcli.modules.policy_loss import LossSpec, micro_batch_loss
+from rlcli.modules.regularizers import importance_weights, token_losses
 
 # entropies are summed over blocks of vocabulary rows of at most this many elements (bounds the temporaries)
 ENTROPY_BLOCK_ELEMENTS = 1 << 22
@@ -84,16 +84,15 @@ class _Head:
                             self.acc_dtype, vocab_major=True)
 
 
-def _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens) -> tuple[_Head, int]:
-    """Check the head's arguments; the head in the dtypes of its chunks, and ``chunk_tokens`` as a number."""
-    check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
-    chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
-    head_hidden, head_weight = head_operands(hidden, weight, fp32)
-    compute_dtype = head_compute_dtype(head_hidden.dtype, fp32)
+def _make_head(hidden, weight, labels, spec: HeadSpec) -> tuple[_Head, int]:
+    """Check the head's tensors; the head in the dtypes of its chunks, and the chunk size as a number."""
+    check_head_inputs(hidden, weight, labels)
+    head_hidden, head_weight = head_operands(hidden, weight, spec.fp32)
+    compute_dtype = head_compute_dtype(head_hidden.dtype, spec.fp32)
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)
-    head = _Head(head_hidden.detach(), head_weight.detach().to(compute_dtype), float(temperature),
+    head = _Head(head_hidden.detach(), head_weight.detach().to(compute_dtype), float(spec.temperature),
                  compute_dtype, acc_dtype)
-    return head, chunk_tokens
+    return head, spec.chunk_size(weight)
 
 
 @dataclass
@@ -236,12 +235,6 @@ def _score_chunk(head: _Head, labels, chunk_rows, chunk_tokens: int, with_entrop
     return pieces, scored
 
 
-def _sequence_level(loss: str | PolicyLoss) -> bool:
-    if isinstance(loss, str) and loss in LOSSES:
-        return LOSSES[loss].sequence_level  # a class attribute: no need to build the loss
-    return make_loss(loss).sequence_level  # an instance as is, or the registry's ValueError
-
-
 class _WithGradients(torch.autograd.Function):
     """``value`` with gradients for ``hidden`` and ``weight`` that were computed in the forward."""
 
@@ -268,28 +261,25 @@ def head_logprobs(
     labels: torch.Tensor,
     mask: torch.Tensor,
     document_index: torch.Tensor,
-    *,
-    loss: str | PolicyLoss = "grpo",
-    temperature: float = 1.0,
-    fp32: bool = False,
-    chunk_tokens: int | str = "auto",
+    spec: LossSpec,
+    head: HeadSpec,
 ) -> torch.Tensor:
     """The log-probs [N] that `fused_micro_batch_loss` computes for the same arguments, bit for bit.
 
     No gradient. The labelled positions (``mask > 0``) go through the head in the fused loss's own
-    chunks (which depend on ``mask``, ``document_index``, ``loss`` and ``chunk_tokens``) and code; the
-    others, and labels < 0, get 0. In float32 (float64 for float64 inputs), as the fused loss reads
-    them: given to it as ``old_logprobs`` (proximal) or ``reference_logprobs`` they give ratio 1 and
-    ``kl_ref = 0`` exactly while the head is unchanged.
+    chunks (which depend on ``mask``, ``document_index``, ``spec.loss`` and ``head.chunk_tokens``) and
+    code; the others, and labels < 0, get 0. In float32 (float64 for float64 inputs), as the fused
+    loss reads them: given to it as ``proximal_logprobs`` or ``reference_logprobs`` they give ratio 1
+    and ``kl_ref = 0`` exactly while the head is unchanged.
     """
-    sequence_level = _sequence_level(loss)
-    head, chunk_tokens = _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens)
+    operands, chunk_tokens = _make_head(hidden, weight, labels, head)
     labels = labels.long()
-    logprobs = torch.zeros(hidden.shape[0], dtype=head.acc_dtype, device=hidden.device)  # [N]
-    rows, chunks = _labelled_chunks(mask.detach().to(head.acc_dtype), document_index, chunk_tokens, sequence_level)
+    logprobs = torch.zeros(hidden.shape[0], dtype=operands.acc_dtype, device=hidden.device)  # [N]
+    rows, chunks = _labelled_chunks(mask.detach().to(operands.acc_dtype), document_index, chunk_tokens,
+                                    spec.loss.sequence_level)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for start, end in chunks:
-            _score_chunk(head, labels, rows[start:end], chunk_tokens, False, logprobs, None)
+            _score_chunk(operands, labels, rows[start:end], chunk_tokens, False, logprobs, None)
     return logprobs
 
 
@@ -297,54 +287,29 @@ def fused_micro_batch_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    document_index: torch.Tensor,
+    inputs: LossInputs,
     totals: StepTotals,
-    group_index: torch.Tensor | None = None,
-    *,
-    loss: str | PolicyLoss = "grpo",
-    aggregation: str = "token_mean",
-    divisor: float | None = None,
-    metrics: str = "basic",
-    temperature: float = 1.0,
-    fp32: bool = False,
-    chunk_tokens: int | str = "auto",
-    reference_logprobs: torch.Tensor | None = None,
-    behaviour_logprobs: torch.Tensor | None = None,
-    kl: KLPenalty | None = None,
-    entropy_coef: float = 0.0,
-    correction: Correction | None = None,
-    **loss_options,
+    spec: LossSpec,
+    head: HeadSpec,
 ) -> tuple[torch.Tensor, MetricPartials]:
-    """``micro_batch_loss`` of ``token_logprobs(hidden, weight, labels, ...)``, in one pass over the head.
+    """`micro_batch_loss` of ``token_logprobs(hidden, weight, labels, head)``, in one pass over the head.
 
     Same value, metric partials (entropy with ``metrics="with_entropy"``) and gradients for
     ``hidden`` [N, H] and ``weight`` [V, H]; at most ``chunk_tokens × V`` logits exist at once
     (``chunk_tokens = 0``: all labelled tokens in one chunk; ``"auto"``: `auto_chunk_tokens`). The
-    gradients are computed during the call, so the returned loss can be backpropagated once.
-    The terms (``reference_logprobs``, ``behaviour_logprobs``, ``kl``, ``entropy_coef``,
-    ``correction``) are those of `policy_loss`; the entropy of the bonus is the head's own, with its
-    gradient.
+    gradients are computed during the call, so the returned loss can be backpropagated once. The
+    entropy of the bonus is the head's own, with its gradient.
     """
-    loss = check_policy_loss_options(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics,
-                                     **loss_options)
-    terms = Terms.of(kl, entropy_coef, correction)
-    terms.require(reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs, entropy=True)
-    head, chunk_tokens = _make_head(hidden, weight, labels, temperature, fp32, chunk_tokens)
-    for name, tensor in dict(reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs).items():
-        if tensor is not None and tensor.shape != labels.shape:
-            raise ValueError(f"{name} must have the shape of labels {tuple(labels.shape)}; got {tuple(tensor.shape)}")
-    acc_dtype = head.acc_dtype
-    old_logprobs, advantages, mask = (t.detach().to(acc_dtype) for t in (old_logprobs, advantages, mask))
-    reference_logprobs, behaviour_logprobs = (
-        None if t is None else t.detach().to(acc_dtype) for t in (reference_logprobs, behaviour_logprobs)
-    )
+    spec.require(inputs, entropy=True)
+    operands, chunk_tokens = _make_head(hidden, weight, labels, head)
+    if inputs.shape != labels.shape:
+        raise ValueError(f"the inputs must have the shape of labels {tuple(labels.shape)}; got {tuple(inputs.shape)}")
+    acc_dtype = operands.acc_dtype
+    inputs = inputs.detached(acc_dtype)
     labels = labels.long()
     need_hidden = torch.is_grad_enabled() and hidden.requires_grad
     need_weight = torch.is_grad_enabled() and weight.requires_grad
-    with_entropy = metrics == "with_entropy" or terms.entropy_on
+    with_entropy = spec.with_entropy
     num_tokens = hidden.shape[0]
     logprobs = torch.zeros(num_tokens, dtype=acc_dtype, device=hidden.device)  # [N]
     entropy = torch.zeros_like(logprobs) if with_entropy else None  # [N]
@@ -352,28 +317,26 @@ def fused_micro_batch_loss(
     grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
     # the labelled rows, each document's rows together: [M]
-    rows, chunks = _labelled_chunks(mask, document_index, chunk_tokens, loss.sequence_level)
-    inputs = LossInputs(old_logprobs, advantages, mask, document_index, group_index,
-                        behaviour_logprobs=behaviour_logprobs, reference_logprobs=reference_logprobs)
-    importance = importance_weights(terms.correction, inputs)  # inputs only: once, for whole documents
-    weights = token_weights(mask, inputs.segments, totals, aggregation=aggregation,
-                            divisor=divisor, group_index=group_index)  # [N]
+    rows, chunks = _labelled_chunks(inputs.mask, inputs.document_index, chunk_tokens, spec.loss.sequence_level)
+    importance = importance_weights(spec.correction, inputs)  # inputs only: once, for whole documents
+    weights = token_weights(inputs.mask, inputs.segments, totals, aggregation=spec.aggregation,
+                            divisor=spec.divisor, group_index=inputs.group_index)  # [N]
 
     def loss_gradient(chunk_rows, chunk_logprobs, chunk_entropy):
         """``[R] -> [R], [R] | None``: ``dL/dlp`` and ``dL/dH`` (with the entropy bonus) of the rows
         (whole documents for a sequence-level loss), by autograd through `token_losses`, over ``T``."""
         leaves = [chunk_logprobs.detach().requires_grad_(True)]
-        if terms.entropy_on:
+        if spec.entropy_on:
             leaves.append(chunk_entropy.detach().requires_grad_(True))
         with torch.enable_grad():
             losses, _ = token_losses(
-                loss, leaves[0], inputs.select(chunk_rows), terms, entropy=leaves[1] if terms.entropy_on else None,
+                leaves[0], inputs.select(chunk_rows), spec, entropy=leaves[1] if spec.entropy_on else None,
                 importance=None if importance is None else importance.select(chunk_rows),
             )  # [R]
             grads = torch.autograd.grad((weights[chunk_rows] * losses).sum(), leaves)
         valid = labels[chunk_rows] >= 0
-        grads = [torch.where(valid, grad / temperature, 0.0) for grad in grads]
-        return grads[0], grads[1] if terms.entropy_on else None
+        grads = [torch.where(valid, grad / operands.temperature, 0.0) for grad in grads]
+        return grads[0], grads[1] if spec.entropy_on else None
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for start, end in chunks:
@@ -381,7 +344,7 @@ def fused_micro_batch_loss(
             # one piece, unless a document of a sequence-level loss is longer than a chunk: then the
             # log-probs of all its pieces come first, and only the last piece's buffer is still there
             # for the gradients
-            pieces, scored = _score_chunk(head, labels, chunk_rows, chunk_tokens, with_entropy, logprobs, entropy)
+            pieces, scored = _score_chunk(operands, labels, chunk_rows, chunk_tokens, with_entropy, logprobs, entropy)
             if not (need_hidden or need_weight):
                 continue
             scale, entropy_scale = loss_gradient(chunk_rows, logprobs[chunk_rows],
@@ -389,18 +352,13 @@ def fused_micro_batch_loss(
             for s, e in reversed(pieces):
                 piece = chunk_rows[s:e]
                 if scored is None:  # an earlier piece: its logits again
-                    scored = _score(head, piece, labels[piece], with_entropy=False)
-                _add_gradients(head, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight,
+                    scored = _score(operands, piece, labels[piece], with_entropy=False)
+                _add_gradients(operands, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight,
                                entropy_scale=None if entropy_scale is None else entropy_scale[s:e],
                                entropy=entropy[piece] if entropy_scale is not None else None)
                 scored = None  # one [V, *] buffer at a time
 
-        value, partials = micro_batch_loss(
-            logprobs, old_logprobs, advantages, mask, document_index, totals, group_index,
-            loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy,
-            reference_logprobs=reference_logprobs, behaviour_logprobs=behaviour_logprobs,
-            kl=terms.kl, entropy_coef=terms.entropy_coef, correction=terms.correction,
-        )
+        value, partials = micro_batch_loss(logprobs, inputs, totals, spec, entropy=entropy)
     if not (need_hidden or need_weight):
         return value, partials
     if grad_hidden is not None:

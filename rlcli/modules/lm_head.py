@@ -20,9 +20,11 @@ floating-point operations instead of 6·N·H·V.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from rlcli.modules.bounds import TEMPERATURE, check_value
+from rlcli.modules.bounds import TEMPERATURE, check_bounds
 
 IGNORE_INDEX = -100
 
@@ -42,6 +44,34 @@ def auto_chunk_tokens(vocab_size: int, device_type: str) -> int:
     device's budget (`AUTO_CHUNK_LOGITS`; CPU's for other devices), at least 128."""
     budget = AUTO_CHUNK_LOGITS.get(device_type, AUTO_CHUNK_LOGITS["cpu"])
     return max(AUTO_CHUNK_MIN_TOKENS, budget // vocab_size // AUTO_CHUNK_MULTIPLE * AUTO_CHUNK_MULTIPLE)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How the LM head scores the labels; checked on construction (``ValueError`` naming the option).
+
+    ``temperature``: the sampler's, > 0. ``fp32``: for float16/bfloat16 inputs do the matmul and
+    everything after it in float32 (gradients come back in the inputs' dtypes). ``chunk_tokens``: if
+    > 0, at most ``chunk_tokens × V`` logits exist at any moment; 0: one chunk; ``"auto"``:
+    `auto_chunk_tokens` for the vocabulary and device.
+    """
+
+    temperature: float = field(default=1.0, metadata=TEMPERATURE)
+    fp32: bool = False
+    chunk_tokens: int | str = "auto"
+
+    def __post_init__(self):
+        check_bounds(self)
+        chunk_tokens = self.chunk_tokens
+        if chunk_tokens != "auto" and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                       or chunk_tokens < 0):
+            raise ValueError(f"chunk_tokens must be an integer >= 0 or 'auto', got {chunk_tokens!r}")
+
+    def chunk_size(self, weight: torch.Tensor) -> int:
+        """``chunk_tokens`` as a number: ``"auto"`` is `auto_chunk_tokens` of the weight's vocabulary and device."""
+        if self.chunk_tokens == "auto":
+            return auto_chunk_tokens(weight.shape[0], weight.device.type)
+        return self.chunk_tokens
 
 
 def head_compute_dtype(dtype: torch.dtype, fp32: bool) -> torch.dtype:
@@ -80,12 +110,8 @@ def labels_and_valid(labels):
     return torch.where(valid, labels, torch.zeros_like(labels)), valid
 
 
-def check_head_inputs(hidden, weight, labels, temperature, chunk_tokens) -> None:
-    """Raise ``ValueError`` naming the first invalid argument of the head."""
-    check_value("temperature", temperature, TEMPERATURE)
-    if chunk_tokens != "auto" and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                   or chunk_tokens < 0):
-        raise ValueError(f"chunk_tokens must be an integer >= 0 or 'auto', got {chunk_tokens!r}")
+def check_head_inputs(hidden, weight, labels) -> None:
+    """Raise ``ValueError`` naming the first invalid tensor of the head."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H]; got hidden {tuple(hidden.shape)} "
@@ -97,14 +123,6 @@ def check_head_inputs(hidden, weight, labels, temperature, chunk_tokens) -> None
         )
     if labels.numel() and int(labels.max()) >= weight.shape[0]:
         raise ValueError(f"labels must be < vocab size {weight.shape[0]}, got {int(labels.max())}")
-
-
-def resolve_chunk_tokens(chunk_tokens: int | str, weight: torch.Tensor) -> int:
-    """``chunk_tokens`` as a number: ``"auto"`` becomes `auto_chunk_tokens` of the weight's vocabulary
-    and device."""
-    if chunk_tokens == "auto":
-        return auto_chunk_tokens(weight.shape[0], weight.device.type)
-    return chunk_tokens
 
 
 def head_operands(hidden, weight, fp32: bool):
@@ -213,33 +231,27 @@ def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
+    head: HeadSpec,
     *,
-    temperature: float = 1.0,
-    fp32: bool = False,
-    chunk_tokens: int | str = "auto",
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each label under ``softmax(hidden @ weight.T / temperature)``.
+    """Log-probability of each label under ``softmax(hidden @ weight.T / head.temperature)``.
 
     Args:
         hidden: ``[N, H]`` final hidden states.
         weight: ``[V, H]`` LM-head weight (no bias).
         labels: ``[N]`` token ids; positions with ``labels < 0`` are ignored (value 0 there).
-        temperature: the sampler's temperature, > 0.
-        fp32: for float16/bfloat16 inputs do the matmul and everything after it in float32;
-            gradients come back in the inputs' dtypes.
-        chunk_tokens: if > 0, at most ``chunk_tokens x V`` logits exist at any moment; ``"auto"``:
-            `auto_chunk_tokens` for the vocabulary and device.
+        head: the temperature, fp32 head and chunk size (`HeadSpec`).
         with_entropy: also return the entropy of each position's temperature-scaled distribution.
 
     Returns:
         ``(logprobs [N], entropy [N] or None)`` in float32 (float64 for float64 inputs).
     """
-    check_head_inputs(hidden, weight, labels, temperature, chunk_tokens)
-    chunk_tokens = resolve_chunk_tokens(chunk_tokens, weight)
-    hidden, weight = head_operands(hidden, weight, fp32)
+    check_head_inputs(hidden, weight, labels)
+    chunk_tokens = head.chunk_size(weight)
+    hidden, weight = head_operands(hidden, weight, head.fp32)
     device_type = hidden.device.type
     with torch.autocast(device_type, enabled=False):
         return _TokenLogprobs.apply(
-            hidden, weight, labels.long(), float(temperature), fp32, chunk_tokens, with_entropy
+            hidden, weight, labels.long(), float(head.temperature), head.fp32, chunk_tokens, with_entropy
         )

@@ -1,9 +1,9 @@
 """Per-token policy losses of SPEC §3 as registered objects: GRPO (token ratios) and GSPO (sequence ratios).
 
 A loss is a frozen dataclass subclass of `PolicyLoss` whose fields are its options (bounds in the
-field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name with `register_loss`:
+field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name in `LOSSES`:
 
-    @register_loss
+    @LOSSES.register()
     @dataclass(frozen=True)
     class MyLoss(PolicyLoss):
         name = "my_loss"
@@ -12,7 +12,7 @@ field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name with `regi
 
         def per_token(self, logprobs, inputs): ...
 
-Nothing else in `rlcli.modules` names a loss: the entry points take its name (or an instance).
+Nothing else in `rlcli.modules` names a loss: a `LossSpec` takes its name (or an instance).
 """
 
 from __future__ import annotations
@@ -20,51 +20,78 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from rlcli.modules.bounds import FLOAT32_MAX, check_bounds
+from rlcli.modules.registry import Registry
 from rlcli.modules.segments import Segments
 
 if TYPE_CHECKING:
     from rlcli.modules.metrics import MetricPartials
 
+_INDICES = ("document_index", "group_index")
 # 1 + eps_high, a float32 bound of the ratios, rounds to at most FLOAT32_MAX
 EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossInputs:
-    """The per-token inputs of a loss besides the new log-probs, all ``[N]`` over whole documents.
+    """The per-token inputs of a loss besides the policy's own log-probs, all ``[N]`` over whole
+    documents, each named by where it comes from. A loss reads only the fields it needs.
 
-    ``old_logprobs`` is the ratio's denominator: the sampler's log-probs, or the trainer's own at the
-    start of the batch (decoupled PPO). ``behaviour_logprobs`` (the sampler's, when the ratio uses the
-    trainer's) and ``reference_logprobs`` (a reference policy's) are there when a term needs them. A
-    loss reads only the fields it needs. ``segments`` is computed once from ``document_index``.
+    ``proximal_logprobs`` is the ratio's denominator: the sampler's log-probs, or the trainer's own
+    recomputed at the start of the batch (decoupled PPO). ``sampler_logprobs`` (the behaviour
+    policy's, for the mismatch correction) and ``reference_logprobs`` (a reference policy's, for the
+    KL term) are there when a term needs them.
     """
 
-    old_logprobs: torch.Tensor  # [N]
+    proximal_logprobs: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
-    mask: torch.Tensor  # [N] 1 for labelled tokens, in the dtype of the log-probs
-    document_index: torch.Tensor  # [N]
-    group_index: torch.Tensor | None = None  # [N]
-    behaviour_logprobs: torch.Tensor | None = None  # [N]
+    mask: torch.Tensor  # [N] 1 for labelled tokens, 0 elsewhere
+    document_index: torch.Tensor  # [N] the document of each token (any integer ids)
+    group_index: torch.Tensor | None = None  # [N] the group of each token (any integer ids)
+    sampler_logprobs: torch.Tensor | None = None  # [N]
     reference_logprobs: torch.Tensor | None = None  # [N]
-    segments: Segments = field(init=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "segments", Segments.of(self.document_index))
+        shape = self.proximal_logprobs.shape
+        if len(shape) != 1:
+            raise ValueError(f"proximal_logprobs must be a flat [N] tensor; got shape {tuple(shape)}")
+        for name, tensor in self.tensors().items():
+            if tensor is not None and tensor.shape != shape:
+                raise ValueError(f"{name} must have the shape of proximal_logprobs {tuple(shape)}; "
+                                 f"got {tuple(tensor.shape)}")
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every field by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[N]``"""
+        return self.proximal_logprobs.shape
+
+    @cached_property
+    def segments(self) -> Segments:
+        """The documents of ``document_index``, computed once."""
+        return Segments.of(self.document_index)
 
     def select(self, rows: torch.Tensor) -> LossInputs:
         """The inputs of the tokens ``rows`` [R] (whole documents for a sequence-level loss)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        return LossInputs(**{name: None if value is None else value[rows] for name, value in values.items()})
+        return LossInputs(**{name: None if value is None else value[rows] for name, value in self.tensors().items()})
+
+    def detached(self, dtype: torch.dtype) -> LossInputs:
+        """The inputs without autograd, every one but the indices in ``dtype``."""
+        return LossInputs(**{name: value if value is None or name in _INDICES else value.detach().to(dtype)
+                             for name, value in self.tensors().items()})
 
     def log_ratio(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """``lp − old_lp`` [N], 0 where the mask is 0."""
+        """``lp − prox`` [N], 0 where the mask is 0."""
         # values under the mask (prompt, padding) may be anything, -inf and NaN included: never read them
-        return torch.where(self.mask > 0, logprobs - self.old_logprobs, 0.0)
+        return torch.where(self.mask > 0, logprobs - self.proximal_logprobs, 0.0)
 
     @property
     def labelled_advantages(self) -> torch.Tensor:
@@ -146,16 +173,7 @@ class ClippedRatioLoss(PolicyLoss):
         return (ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)
 
 
-LOSSES: dict[str, type[PolicyLoss]] = {}
-
-
-def register_loss(cls: type[PolicyLoss]) -> type[PolicyLoss]:
-    """Class decorator: make ``cls`` known to `make_loss` as ``cls.name``."""
-    taken = LOSSES.get(cls.name)
-    if taken is not None and taken is not cls:
-        raise ValueError(f"loss name {cls.name!r} is taken by {taken.__qualname__}")
-    LOSSES[cls.name] = cls
-    return cls
+LOSSES: Registry[type[PolicyLoss]] = Registry("loss")
 
 
 def make_loss(loss: str | PolicyLoss = "grpo", **options) -> PolicyLoss:
@@ -168,8 +186,6 @@ def make_loss(loss: str | PolicyLoss = "grpo", **options) -> PolicyLoss:
         if options:
             raise ValueError(f"options {', '.join(options)} given with the loss instance {loss!r}; set them on it")
         return loss
-    if not (isinstance(loss, str) and loss in LOSSES):
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
     cls = LOSSES[loss]
     known = [f.name for f in fields(cls) if f.init]
     for option in options:
@@ -178,7 +194,7 @@ def make_loss(loss: str | PolicyLoss = "grpo", **options) -> PolicyLoss:
     return cls(**options)
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class GRPO(ClippedRatioLoss):
     """``ℓ_t = −min(r_t·A_t, clip(r_t)·A_t)`` with token ratios ``r_t = exp(lp_t − old_lp_t)``."""
@@ -193,7 +209,7 @@ class GRPO(ClippedRatioLoss):
         return losses, RatioUnits.of_tokens(log_ratio, inputs)
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class GSPO(ClippedRatioLoss):
     """Every labelled token of document d gets ``λ_d = −min(R_d·Ā_d, clip(R_d)·Ā_d)``, with the
@@ -222,7 +238,7 @@ _SIGMOID_IS_ONE = 50.0
 _SAPO_TAU = {"ge": 4 / FLOAT32_MAX, "le": FLOAT32_MAX}
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class CISPO(PolicyLoss):
     """CISPO (MiniMax-M1): ``ℓ_t = −sg(min(r_t, 1 + eps_high))·A_t·lp_t``.
@@ -252,7 +268,7 @@ class CISPO(PolicyLoss):
         return ratio > 1 + self.eps_high
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class SAPO(PolicyLoss):
     """SAPO (Soft Adaptive Policy Optimization, Qwen 2025): ``ℓ_t = −f_t(r_t)·A_t`` with the soft gate
@@ -283,7 +299,7 @@ class SAPO(PolicyLoss):
         return losses, RatioUnits.of_tokens(log_ratio, inputs)
 
 
-@register_loss
+@LOSSES.register()
 @dataclass(frozen=True)
 class GSPOToken(GSPO):
     """GSPO-token (GSPO paper §4.3): ``ℓ_t = −min(s_t·A_t, clip(s_t)·A_t)`` with per-token advantages and

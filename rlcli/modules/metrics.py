@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlcli.modules.aggregation import StepTotals
-from rlcli.modules.losses import LossInputs, PolicyLoss, RatioUnits, make_loss
+from rlcli.modules.losses import LossInputs, RatioUnits
+
+if TYPE_CHECKING:
+    from rlcli.modules.policy_loss import LossSpec
 
 METRIC_LEVELS = ("none", "basic", "with_entropy")
 
@@ -65,15 +69,13 @@ def metric_partials(
     logprobs: torch.Tensor,
     inputs: LossInputs,
     units: RatioUnits,
+    spec: LossSpec,
     *,
-    loss: str | PolicyLoss = "grpo",
-    metrics: str = "basic",
     entropy: torch.Tensor | None = None,
-    **loss_options,
 ) -> MetricPartials:
-    """The SPEC §6 partials of one micro-batch (whole documents), with the ``units`` of ``loss.per_token``
-    and the loss's own metrics. All inputs ``[N]``; float64 out."""
-    loss = make_loss(loss, **loss_options)
+    """The SPEC §6 partials at ``spec.metrics`` of one micro-batch (whole documents), with the ``units``
+    of ``spec.loss.per_token`` and the loss's own metrics. All inputs ``[N]``; float64 out."""
+    loss, metrics = spec.loss, spec.metrics
     partials = MetricPartials()
     if metrics == "none":
         return partials
@@ -82,7 +84,7 @@ def metric_partials(
     def doc_mean_numerator(values):
         return document_mean_numerator(values, inputs)
 
-    partials.means["old_logprobs"] = doc_mean_numerator(inputs.old_logprobs)
+    partials.means["old_logprobs"] = doc_mean_numerator(inputs.proximal_logprobs)  # SPEC §6 names it so
     partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
     partials.means["advantage"] = doc_mean_numerator(inputs.advantages)
     if metrics == "with_entropy":

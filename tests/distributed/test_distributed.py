@@ -16,7 +16,7 @@ from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
 from rlcli.model.policy import build_policy
 from rlcli.model.scorer import TokenScorer
-from rlcli.modules import Correction, KLPenalty, policy_loss
+from rlcli.modules import Correction, HeadSpec, KLPenalty, LossInputs, LossSpec, policy_loss
 from rlcli.rollout.advantages import apply_advantage_estimator
 from train_helpers import compose_train_config, run_rlcli
 
@@ -47,16 +47,18 @@ def reference_parameters(data, docs: list[int], loss: str, aggregation: str, div
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
     by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo", eps=cfg.advantage.eps)}
     batch = make_micro_batch([by_index[i] for i in docs])
-    scorer = TokenScorer(policy, temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=terms)
+    scorer = TokenScorer(policy, HeadSpec(chunk_tokens=0), with_entropy=terms)
     logprobs, entropy = scorer(batch.input_ids, batch.position_ids, batch.labels)
     numbering = {g: i for i, g in enumerate(dict.fromkeys(d.group_id for d in batch.documents))}
-    old = logprobs.detach() if terms else batch.old_logprobs.double()
-    extra = dict(entropy=entropy, reference_logprobs=batch.ref_logprobs.double(),
-                 behaviour_logprobs=batch.old_logprobs.double(), **TERM_ARGUMENTS) if terms else {}
-    step_loss, _ = policy_loss(
-        logprobs, old, batch.advantages.double(), batch.mask.double(), batch.document_index,
-        batch.group_index(numbering), loss=loss, aggregation=aggregation, divisor=divisor, **extra,
+    inputs = LossInputs(
+        proximal_logprobs=logprobs.detach() if terms else batch.sampler_logprobs.double(),
+        advantages=batch.advantages.double(), mask=batch.mask.double(), document_index=batch.document_index,
+        group_index=batch.group_index(numbering),
+        reference_logprobs=batch.reference_logprobs.double() if terms else None,
+        sampler_logprobs=batch.sampler_logprobs.double() if terms else None,
     )
+    spec = LossSpec(loss, aggregation=aggregation, divisor=divisor, **(TERM_ARGUMENTS if terms else {}))
+    step_loss, _ = policy_loss(logprobs, inputs, spec, entropy=entropy)
     step_loss.backward()
     with torch.no_grad():
         return {name: p - LR * p.grad for name, p in policy.named_parameters()}, {

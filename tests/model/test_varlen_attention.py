@@ -87,6 +87,7 @@ def test_padded_and_cached_calls_take_the_sdpa_path():
 def test_the_scorer_finds_the_documents_once_per_row(monkeypatch):
     from rlcli.model import varlen_attention
     from rlcli.model.scorer import TokenScorer
+    from rlcli.modules import HeadSpec
 
     ids, positions = _packed_row()
     labels = torch.roll(ids[0], -1)
@@ -95,7 +96,7 @@ def test_the_scorer_finds_the_documents_once_per_row(monkeypatch):
     monkeypatch.setattr(varlen_attention, "document_starts", lambda p: calls.append(1) or counted(p))
     logprobs = {}
     for attn in ("varlen", "sdpa"):
-        scorer = TokenScorer(_tiny(attn), temperature=1.0, fp32_lm_head=False, chunk_tokens=0, with_entropy=False)
+        scorer = TokenScorer(_tiny(attn), HeadSpec(chunk_tokens=0), with_entropy=False)
         logprobs[attn], _ = scorer(ids[0], positions[0], labels)
     assert len(calls) == 1  # not once per layer
     assert (logprobs["varlen"] - logprobs["sdpa"]).abs().max() <= 1e-12

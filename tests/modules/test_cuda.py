@@ -11,7 +11,15 @@ import torch
 from rl_reference import F64, make_step, ref_head, ref_loss, rel_err
 
 from factories import tiny_policy
-from rlcli.modules import Segments, StepTotals, auto_chunk_tokens, fused_micro_batch_loss
+from rlcli.modules import (
+    HeadSpec,
+    LossInputs,
+    LossSpec,
+    Segments,
+    StepTotals,
+    auto_chunk_tokens,
+    fused_micro_batch_loss,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,8 +43,9 @@ def test_bfloat16_fused_head_with_fp32_head_matches_float64(loss):
     labels_, old_, adv, mask, doc, group = (t.to(CUDA) for t in (labels, old, step["adv"], step["mask"], step["doc"],
                                                                 group_index))
     totals = StepTotals.of_tokens(mask, Segments.of(doc), group, group_ids.numel())
-    value, _ = fused_micro_batch_loss(h, w, labels_, old_, adv, mask, doc, totals, group, loss=loss, fp32=True,
-                                      chunk_tokens=100)
+    inputs = LossInputs(proximal_logprobs=old_, advantages=adv, mask=mask, document_index=doc, group_index=group)
+    value, _ = fused_micro_batch_loss(h, w, labels_, inputs, totals, LossSpec(loss),
+                                      HeadSpec(fp32=True, chunk_tokens=100))
     value.backward()
 
     h64 = hidden.detach().to(F64).requires_grad_(True)

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import weakref
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_loss, ref_metrics, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from rlcli.modules import (
+    HeadSpec,
+    LossSpec,
     Segments,
     StepTotals,
     auto_chunk_tokens,
@@ -47,13 +51,13 @@ def _case(seed, *, num_docs=10, max_len=9, vocab=V, dtype=F64):
     return step, hidden.to(dtype), weight.to(dtype), labels, group_index, totals
 
 
-def _fused(step, hidden, weight, labels, group_index, totals, *, scale=1.0, **kw):
+def _fused(step, hidden, weight, labels, group_index, totals, *, scale=1.0, temperature=1.0, fp32=False,
+           chunk_tokens="auto", **kw):
     hidden = hidden.detach().clone().requires_grad_(True)
     weight = weight.detach().clone().requires_grad_(True)
-    value, partials = fused_micro_batch_loss(
-        hidden, weight, labels, step["old"], step["adv"], step["mask"], step["doc"], totals, group_index,
-        eps_low=EPS_LOW, eps_high=EPS_HIGH, **kw,
-    )
+    head = HeadSpec(temperature=temperature, fp32=fp32, chunk_tokens=chunk_tokens)
+    value, partials = fused_micro_batch_loss(hidden, weight, labels, step_inputs(step, group_index=group_index),
+                                             totals, loss_spec(eps_low=EPS_LOW, eps_high=EPS_HIGH, **kw), head)
     (value * scale).backward()
     return value.detach(), finalize_metrics(partials, totals), hidden.grad, weight.grad
 
@@ -212,35 +216,35 @@ def test_bfloat16_inputs_with_the_fp32_head_match_float32_and_return_bfloat16_gr
 
 def test_without_gradients_or_labelled_tokens():
     step, hidden, weight, labels, group_index, totals = _case(13)
-    args = (labels, step["old"], step["adv"], step["mask"], step["doc"], totals, group_index)
-    with_grad, _ = fused_micro_batch_loss(hidden.clone().requires_grad_(True), weight, *args, chunk_tokens=4)
+    inputs = step_inputs(step, group_index=group_index)
+    args = (labels, inputs, totals, LossSpec(), HeadSpec(chunk_tokens=4))
+    with_grad, _ = fused_micro_batch_loss(hidden.clone().requires_grad_(True), weight, *args)
     with torch.no_grad():
-        without, _ = fused_micro_batch_loss(hidden.clone().requires_grad_(True), weight, *args, chunk_tokens=4)
+        without, _ = fused_micro_batch_loss(hidden.clone().requires_grad_(True), weight, *args)
     assert without.grad_fn is None and without.item() == pytest.approx(with_grad.item(), rel=1e-14)
 
     # a frozen head weight: only the hidden states get a gradient
     h = hidden.clone().requires_grad_(True)
     frozen = weight.clone()
-    fused_micro_batch_loss(h, frozen, *args, chunk_tokens=4)[0].backward()
+    fused_micro_batch_loss(h, frozen, *args)[0].backward()
     assert frozen.grad is None and h.grad.abs().max() > 0
 
     # a stand-in micro-batch with no labelled token: zero loss and zero (not missing) gradients
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     nothing = torch.zeros_like(step["mask"])
-    value, _ = fused_micro_batch_loss(h, w, labels, step["old"], step["adv"], nothing, step["doc"],
-                                      totals, group_index)
+    value, _ = fused_micro_batch_loss(h, w, labels, replace(inputs, mask=nothing), totals, LossSpec(), HeadSpec())
     value.backward()
     assert value.item() == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
 def test_invalid_head_arguments_are_named():
     step, hidden, weight, labels, group_index, totals = _case(17)
-    args = (step["old"], step["adv"], step["mask"], step["doc"], totals, group_index)
+    args = (step_inputs(step, group_index=group_index), totals, LossSpec())
     for bad in (-1, "all"):
         with pytest.raises(ValueError, match="chunk_tokens"):
-            fused_micro_batch_loss(hidden, weight, labels, *args, chunk_tokens=bad)
+            fused_micro_batch_loss(hidden, weight, labels, *args, HeadSpec(chunk_tokens=bad))
     with pytest.raises(ValueError, match="temperature"):
-        fused_micro_batch_loss(hidden, weight, labels, *args, temperature=0.0)
+        fused_micro_batch_loss(hidden, weight, labels, *args, HeadSpec(temperature=0.0))
     with pytest.raises(ValueError, match="vocab size"):
-        fused_micro_batch_loss(hidden, weight, labels + V, *args)
+        fused_micro_batch_loss(hidden, weight, labels + V, *args, HeadSpec())

@@ -11,9 +11,18 @@ import random
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import AGGREGATIONS, F64, LOSSES, documents, make_step, ref_loss, ref_metrics, rel_err
 
-from rlcli.modules import MetricPartials, Segments, StepTotals, finalize_metrics, micro_batch_loss, policy_loss
+from rlcli.modules import (
+    LossInputs,
+    MetricPartials,
+    Segments,
+    StepTotals,
+    finalize_metrics,
+    micro_batch_loss,
+    policy_loss,
+)
 
 TOL = 1e-9  # float64; the contract asks for 1e-6
 
@@ -48,10 +57,9 @@ def _split_run(step, lp, entropy, index_of_mb, *, all_reduce_flat=False, **kw):
     total_loss = lp.sum() * 0
     partials = MetricPartials()
     for idx in index_of_mb:
-        value, part = micro_batch_loss(
-            lp[idx], step["old"][idx], step["adv"][idx], step["mask"][idx], step["doc"][idx], totals,
-            group_index[idx], entropy=entropy[idx], **kw,
-        )
+        inputs = LossInputs(proximal_logprobs=step["old"][idx], advantages=step["adv"][idx], mask=step["mask"][idx],
+                            document_index=step["doc"][idx], group_index=group_index[idx])
+        value, part = micro_batch_loss(lp[idx], inputs, totals, loss_spec(**kw), entropy=entropy[idx])
         total_loss = total_loss + value
         partials = partials + part
     return total_loss, {"loss": total_loss.detach()} | finalize_metrics(partials, totals)
@@ -63,8 +71,7 @@ def _compare(step, pieces, *, loss, aggregation, divisor, all_reduce_flat=False,
     entropy = torch.rand(step["mask"].numel(), generator=g, dtype=F64) * 3
 
     lp_whole = step["lp"].clone().requires_grad_(True)
-    whole, whole_metrics = policy_loss(lp_whole, step["old"], step["adv"], step["mask"], step["doc"], step["group"],
-                                       entropy=entropy, **kw)
+    whole, whole_metrics = policy_loss(lp_whole, step_inputs(step), loss_spec(**kw), entropy=entropy)
     whole.backward()
 
     lp_split = step["lp"].clone().requires_grad_(True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_args import loss_spec
 from rl_reference import AGGREGATIONS, F64, LOSSES, make_step, ref_head, ref_loss, rel_err
 
-from rlcli.modules import policy_loss, token_logprobs
+from rlcli.modules import HeadSpec, LossInputs, LossSpec, policy_loss, token_logprobs
 
 N, H, V = 24, 16, 50
 
@@ -25,7 +26,7 @@ def _inputs(seed, n=N, h=H, v=V, dtype=torch.float32, scale=1.0, ignored=(3, 10,
 def _head_and_grads(hidden, weight, labels, coef_lp, coef_ent, **kw):
     hidden = hidden.detach().clone().requires_grad_(True)
     weight = weight.detach().clone().requires_grad_(True)
-    lp, ent = token_logprobs(hidden, weight, labels, with_entropy=True, **kw)
+    lp, ent = token_logprobs(hidden, weight, labels, HeadSpec(**kw), with_entropy=True)
     (lp.to(F64) @ coef_lp + ent.to(F64) @ coef_ent).backward()
     return lp.detach(), ent.detach(), hidden.grad, weight.grad
 
@@ -95,8 +96,8 @@ def test_all_labels_ignored():
 
 def test_without_entropy_returns_none_and_same_logprobs():
     hidden, weight, labels = _inputs(3)
-    lp, ent = token_logprobs(hidden, weight, labels, chunk_tokens=7)
-    lp2, _ = token_logprobs(hidden, weight, labels, chunk_tokens=7, with_entropy=True)
+    lp, ent = token_logprobs(hidden, weight, labels, HeadSpec(chunk_tokens=7))
+    lp2, _ = token_logprobs(hidden, weight, labels, HeadSpec(chunk_tokens=7), with_entropy=True)
     assert ent is None
     assert torch.equal(lp, lp2)
 
@@ -151,8 +152,10 @@ def test_sampler_temperature_gives_ratio_one(loss, temperature):
     old32 = old.float()
     ratios = {}
     for scored_at in (temperature, 1.0):
-        lp, _ = token_logprobs(hidden.float(), weight.float(), labels, temperature=scored_at, chunk_tokens=5)
-        _, m = policy_loss(lp, old32, step["adv"].float(), step["mask"], step["doc"], loss=loss)
+        lp, _ = token_logprobs(hidden.float(), weight.float(), labels, HeadSpec(temperature=scored_at, chunk_tokens=5))
+        inputs = LossInputs(proximal_logprobs=old32, advantages=step["adv"].float(), mask=step["mask"],
+                            document_index=step["doc"])
+        _, m = policy_loss(lp, inputs, LossSpec(loss))
         ratios[scored_at] = (m["ratio_new_old"].item(), m["kl_new_old"].item())
     labelled_docs = len({d for d, m in zip(step["doc"].tolist(), step["mask"].tolist()) if m})
     expected_ratio = labelled_docs / len(set(step["doc"].tolist()))  # μ(1): documents with labels / D
@@ -187,8 +190,10 @@ def test_end_to_end_gradients_match_float64_reference(loss, aggregation, divisor
 
     h32 = hidden.clone().requires_grad_(True)
     w32 = weight.clone().requires_grad_(True)
-    lp, _ = token_logprobs(h32, w32, labels, chunk_tokens=chunk)
-    value, _ = policy_loss(lp, old32, adv32, step["mask"], step["doc"], step["group"], **kw)
+    lp, _ = token_logprobs(h32, w32, labels, HeadSpec(chunk_tokens=chunk))
+    inputs = LossInputs(proximal_logprobs=old32, advantages=adv32, mask=step["mask"], document_index=step["doc"],
+                        group_index=step["group"])
+    value, _ = policy_loss(lp, inputs, loss_spec(**kw))
     value.backward()
 
     h64 = hidden.to(F64).requires_grad_(True)

@@ -1,4 +1,4 @@
-"""Losses are registered objects: every entry point resolves ``loss=`` with `make_loss` (a misspelt
+"""Losses are registered objects: a `LossSpec` resolves its ``loss`` with `make_loss` (a misspelt
 name, an unknown option or one out of bounds raises ``ValueError`` naming it), and a loss defined
 and registered here, outside rlcli, runs through `policy_loss`, `micro_batch_loss` and
 `fused_micro_batch_loss` against its own float64 reference."""
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import AGGREGATIONS, F64, documents, make_step, ref_document_weights, ref_head, ref_metrics, rel_err
 from test_invariance import _micro_batches, _random_pieces, _split_run
 
@@ -18,6 +19,8 @@ from rlcli.modules import (
     GRPO,
     GSPO,
     LOSSES,
+    HeadSpec,
+    LossSpec,
     PolicyLoss,
     RatioUnits,
     Segments,
@@ -27,7 +30,6 @@ from rlcli.modules import (
     make_loss,
     micro_batch_loss,
     policy_loss,
-    register_loss,
 )
 
 H, V = 8, 40
@@ -52,17 +54,18 @@ def _case(seed=0):
 
 
 def _policy(step, **kw):
-    return policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], step["group"], **kw)
+    return policy_loss(step["lp"], step_inputs(step), loss_spec(**kw))
 
 
 def _micro(step, **kw):
-    return micro_batch_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], step["totals"],
-                            step["group_index"], **kw)
+    return micro_batch_loss(step["lp"], step_inputs(step, group_index=step["group_index"]), step["totals"],
+                            loss_spec(**kw))
 
 
 def _fused(step, **kw):
-    return fused_micro_batch_loss(step["hidden"], step["weight"], step["labels"], step["old"], step["adv"],
-                                  step["mask"], step["doc"], step["totals"], step["group_index"], **kw)
+    return fused_micro_batch_loss(step["hidden"], step["weight"], step["labels"],
+                                  step_inputs(step, group_index=step["group_index"]), step["totals"], loss_spec(**kw),
+                                  HeadSpec())
 
 
 ENTRY_POINTS = [_policy, _micro, _fused]
@@ -77,7 +80,7 @@ ENTRY_IDS = ["policy_loss", "micro_batch_loss", "fused_micro_batch_loss"]
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=ENTRY_IDS)
 @pytest.mark.parametrize("name", ["grp0", "GSPO", "", 3])
 def test_a_misspelt_loss_name_raises_listing_the_known_names(entry, name):
-    with pytest.raises(ValueError, match=r"^loss must be one of grpo, gspo\b") as error:
+    with pytest.raises(ValueError, match=r"^unknown loss .*; expected one of: grpo, gspo\b") as error:
         entry(_case(), loss=name)
     assert repr(name) in str(error.value) and all(known in str(error.value) for known in LOSSES)
 
@@ -129,14 +132,14 @@ def test_make_loss_and_the_registry():
     assert make_loss(instance) is instance
     assert LOSSES["grpo"] is GRPO and LOSSES["gspo"] is GSPO
     assert GRPO.sequence_level is False and GSPO.sequence_level is True
-    assert register_loss(GRPO) is GRPO  # the same class again: nothing changes
+    assert LOSSES.register()(GRPO) is GRPO  # the same class again: nothing changes
 
     @dataclass(frozen=True)
     class Impostor(GRPO):
         name = "grpo"
 
     with pytest.raises(ValueError, match="'grpo' is taken"):
-        register_loss(Impostor)
+        LOSSES.register()(Impostor)
     assert LOSSES["grpo"] is GRPO
 
 
@@ -215,9 +218,9 @@ def _assert_metrics(metrics, expected):
 @pytest.fixture(params=[TokenReinforce, SequenceReinforce], ids=lambda cls: cls.name)
 def custom_loss(request):
     """The loss class, registered for the test only."""
-    cls = register_loss(request.param)
+    cls = LOSSES.register()(request.param)
     yield cls
-    del LOSSES[cls.name]
+    LOSSES._entries.pop(cls.name)  # a registry has no public removal: entries stay for a process's life
 
 
 @pytest.mark.parametrize(("aggregation", "divisor"), AGGREGATIONS)
@@ -225,9 +228,8 @@ def test_a_registered_loss_runs_through_policy_loss(custom_loss, aggregation, di
     step = _case(1)
     entropy = torch.rand(step["mask"].numel(), generator=torch.Generator().manual_seed(1), dtype=F64)
     lp = step["lp"].clone().requires_grad_(True)
-    value, metrics = policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"],
-                                 loss=custom_loss.name, coef=COEF, aggregation=aggregation, divisor=divisor,
-                                 metrics="with_entropy", entropy=entropy)
+    spec = LossSpec(custom_loss(coef=COEF), aggregation=aggregation, divisor=divisor, metrics="with_entropy")
+    value, metrics = policy_loss(lp, step_inputs(step), spec, entropy=entropy)
     value.backward()
     ref_lp = step["lp"].clone().requires_grad_(True)
     ref_value = _ref_loss(custom_loss, step, ref_lp, aggregation, divisor)
@@ -236,7 +238,7 @@ def test_a_registered_loss_runs_through_policy_loss(custom_loss, aggregation, di
     assert ref_lp.grad.abs().max() > 0
     _assert_metrics(metrics, _ref_metrics(custom_loss, step, step["lp"], entropy))
     with pytest.raises(ValueError, match=r"coef must be a finite number > 0; got 0$"):
-        policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], loss=custom_loss.name, coef=0)
+        policy_loss(lp, step_inputs(step), loss_spec(loss=custom_loss.name, coef=0))
 
 
 @pytest.mark.parametrize(("aggregation", "divisor"), AGGREGATIONS)
@@ -265,11 +267,10 @@ def test_a_registered_loss_runs_through_the_fused_head(custom_loss, aggregation,
     step = _case(2)
     hidden = step["hidden"].clone().requires_grad_(True)
     weight = step["weight"].clone().requires_grad_(True)
-    value, partials = fused_micro_batch_loss(
-        hidden, weight, step["labels"], step["old"], step["adv"], step["mask"], step["doc"], step["totals"],
-        step["group_index"], loss=custom_loss.name, coef=COEF, aggregation=aggregation, divisor=divisor,
-        metrics="with_entropy", temperature=0.7, chunk_tokens=chunk_tokens,
-    )
+    spec = loss_spec(loss=custom_loss.name, coef=COEF, aggregation=aggregation, divisor=divisor, metrics="with_entropy")
+    value, partials = fused_micro_batch_loss(hidden, weight, step["labels"],
+                                             step_inputs(step, group_index=step["group_index"]), step["totals"], spec,
+                                             HeadSpec(temperature=0.7, chunk_tokens=chunk_tokens))
     value.backward()
     h = step["hidden"].clone().requires_grad_(True)
     w = step["weight"].clone().requires_grad_(True)

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import (
     AGGREGATIONS,
     F64,
@@ -24,7 +25,16 @@ from rl_reference import (
 from test_invariance import _micro_batches, _random_pieces, _split_run
 from test_loss_registry import _case
 
-from rlcli.modules import LOSSES, finalize_metrics, fused_micro_batch_loss, make_loss, policy_loss
+from rlcli.modules import (
+    LOSSES,
+    HeadSpec,
+    LossInputs,
+    LossSpec,
+    finalize_metrics,
+    fused_micro_batch_loss,
+    make_loss,
+    policy_loss,
+)
 from rlcli.modules.bounds import FLOAT32_MAX, FLOAT32_TINY
 from rlcli.modules.losses import CISPO, SAPO, GSPOToken
 
@@ -58,12 +68,11 @@ def _reference(step, lp, *, loss, aggregation, divisor, options):
     return value.detach(), leaf.grad
 
 
-def _run(step, lp, *, loss, aggregation, divisor, options, **kw):
+def _run(step, lp, *, loss, aggregation, divisor, options, entropy=None, **kw):
     """`policy_loss` on ``step`` with the log-probs ``lp``: value, gradient w.r.t. ``lp``, metrics."""
     leaf = lp.detach().clone().requires_grad_(True)
-    value, metrics = policy_loss(leaf, step["old"].to(leaf.dtype), step["adv"].to(leaf.dtype), step["mask"],
-                                 step["doc"], step["group"], loss=loss, aggregation=aggregation, divisor=divisor,
-                                 **options, **kw)
+    spec = loss_spec(loss=loss, aggregation=aggregation, divisor=divisor, **options, **kw)
+    value, metrics = policy_loss(leaf, step_inputs(step, leaf.dtype), spec, entropy=entropy)
     value.backward()
     return value.detach(), leaf.grad, metrics
 
@@ -104,7 +113,7 @@ def test_the_three_losses_are_registered_with_their_options():
 def test_options_out_of_bounds_raise_naming_them(loss, options, message):
     step = make_step(0)
     with pytest.raises(ValueError, match=message):
-        policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], loss=loss, **options)
+        policy_loss(step["lp"], step_inputs(step), loss_spec(loss=loss, **options))
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,8 +161,9 @@ def test_sapo_uses_tau_pos_for_positive_advantages_and_tau_neg_otherwise():
     old = torch.tensor([-1.5, -1.7], dtype=F64)
     adv = torch.tensor([0.8, -1.3], dtype=F64)
     leaf = lp.clone().requires_grad_(True)
-    value, _ = policy_loss(leaf, old, adv, torch.ones(2, dtype=F64), torch.tensor([0, 1]), loss="sapo",
-                           aggregation="constant", divisor=1.0, tau_pos=0.6, tau_neg=2.5)
+    inputs = LossInputs(proximal_logprobs=old, advantages=adv, mask=torch.ones(2, dtype=F64),
+                        document_index=torch.tensor([0, 1]))
+    value, _ = policy_loss(leaf, inputs, LossSpec(SAPO(tau_pos=0.6, tau_neg=2.5), aggregation="constant", divisor=1.0))
     value.backward()
 
     def f(r, tau):
@@ -249,11 +259,10 @@ def test_the_fused_head_matches_the_reference(loss, aggregation, divisor, chunk_
     assert chunk_tokens == 0 or longest > chunk_tokens  # documents longer than a chunk (gspo_token's case)
     hidden = step["hidden"].clone().requires_grad_(True)
     weight = step["weight"].clone().requires_grad_(True)
-    value, partials = fused_micro_batch_loss(
-        hidden, weight, step["labels"], step["old"], step["adv"], step["mask"], step["doc"], step["totals"],
-        step["group_index"], loss=loss, aggregation=aggregation, divisor=divisor, metrics="with_entropy",
-        temperature=0.7, chunk_tokens=chunk_tokens, **options,
-    )
+    spec = loss_spec(loss=loss, aggregation=aggregation, divisor=divisor, metrics="with_entropy", **options)
+    value, partials = fused_micro_batch_loss(hidden, weight, step["labels"],
+                                             step_inputs(step, group_index=step["group_index"]), step["totals"], spec,
+                                             HeadSpec(temperature=0.7, chunk_tokens=chunk_tokens))
     value.backward()
     h = step["hidden"].clone().requires_grad_(True)
     w = step["weight"].clone().requires_grad_(True)
@@ -371,7 +380,8 @@ def test_the_float32_bounds_of_the_options_are_where_a_float32_loss_breaks(loss,
 
     def run(objective):
         leaf = lp.clone().requires_grad_(True)
-        value, _ = policy_loss(leaf, old, adv, mask, doc, loss=objective)
+        value, _ = policy_loss(leaf, LossInputs(proximal_logprobs=old, advantages=adv, mask=mask, document_index=doc),
+                               LossSpec(objective))
         value.backward()
         return torch.isfinite(value).item() and torch.isfinite(leaf.grad).all().item()
 

@@ -10,20 +10,25 @@ import math
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import AGGREGATIONS, F64, LOSSES, documents, make_step, ref_loss, rel_err
 
-from rlcli.modules import policy_loss
+from rlcli.modules import LossInputs, LossSpec, policy_loss
 
 CASES = [(loss, agg, div) for loss in LOSSES for agg, div in AGGREGATIONS]
 CASE_IDS = [f"{loss}-{agg}-{div}" for loss, agg, div in CASES]
 
 
-def _run(step, lp, *, loss, aggregation, divisor, group=True, **kw):
-    return policy_loss(
-        lp, step["old"].to(lp.dtype), step["adv"].to(lp.dtype), step["mask"], step["doc"],
-        step["group"] if group else None,
-        loss=loss, aggregation=aggregation, divisor=divisor, **kw,
-    )
+def _run(step, lp, *, loss, aggregation, divisor, group=True, entropy=None, **kw):
+    return policy_loss(lp, step_inputs(step, lp.dtype, group=group),
+                       loss_spec(loss=loss, aggregation=aggregation, divisor=divisor, **kw), entropy=entropy)
+
+
+def _one_document(old, adv):
+    """The inputs of one document whose tokens are all labelled."""
+    n = old.numel()
+    return LossInputs(proximal_logprobs=old, advantages=adv, mask=torch.ones(n, dtype=F64),
+                      document_index=torch.zeros(n, dtype=torch.long))
 
 
 def _grad(step, lp_values, **kw):
@@ -194,7 +199,7 @@ def test_hand_derived_values(loss, table, expected):
 def test_hand_derived_metrics():
     step = _hand_step(HAND_GRPO)
     lp = step["lp"]
-    _, m = policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"])
+    _, m = policy_loss(lp, step_inputs(step), LossSpec())
     # μ(r) = ((1.1 + 1.5)/2 + (0.5 + 0.9 + 1)/3 + 0)/3 = (1.3 + 0.8)/3
     assert m["ratio_new_old"].item() == pytest.approx(0.7, rel=1e-12)
     assert m["ratio_new_old_sum"].item() == pytest.approx(5.0, rel=1e-12)
@@ -214,7 +219,7 @@ def test_hand_derived_metrics():
     assert m["old_logprobs"].item() == pytest.approx(((old[0] + old[1]) / 2 + sum(old[2:5]) / 3) / 3, rel=1e-12)
 
     step = _hand_step(HAND_GSPO)
-    _, m = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], loss="gspo")
+    _, m = policy_loss(step["lp"], step_inputs(step, group=False), LossSpec("gspo"))
     assert m["ratio_new_old"].item() == pytest.approx(1.05, rel=1e-12)  # (1 + 1.1)/2
     assert m["ratio_new_old_sum"].item() == pytest.approx(2.1, rel=1e-12)
     assert m["ratio_new_old_squared_sum"].item() == pytest.approx(2.21, rel=1e-12)
@@ -249,8 +254,8 @@ def test_grpo_clip_boundaries(adv, ratio, clipped):
     # one labelled token, token_mean: L = ℓ and dL/dlp = dℓ/dlp = −A·r (unclipped) or 0
     old = torch.tensor([-1.0], dtype=F64)
     lp = (old + math.log(ratio)).requires_grad_(True)
-    value, m = policy_loss(lp, old, torch.tensor([adv], dtype=F64), torch.ones(1, dtype=F64),
-                           torch.zeros(1, dtype=torch.long), eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    value, m = policy_loss(lp, _one_document(old, torch.tensor([adv], dtype=F64)),
+                           loss_spec(eps_low=EPS_LOW, eps_high=EPS_HIGH))
     value.backward()
     bound = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
     if clipped:
@@ -270,8 +275,8 @@ def test_gspo_clip_boundaries_follow_the_sequence_ratio(adv, seq_ratio, clipped)
     old = torch.tensor([-1.0, -2.0, -0.5], dtype=F64)
     lp = (old + torch.tensor([rho + 0.6, rho - 0.6, rho], dtype=F64)).requires_grad_(True)
     advs = torch.tensor([adv + 1.0, adv - 0.5, adv - 0.5], dtype=F64)  # Ā = adv
-    value, m = policy_loss(lp, old, advs, torch.ones(3, dtype=F64), torch.zeros(3, dtype=torch.long),
-                           loss="gspo", aggregation="sample_mean", eps_low=EPS_LOW, eps_high=EPS_HIGH)
+    value, m = policy_loss(lp, _one_document(old, advs),
+                           loss_spec(loss="gspo", aggregation="sample_mean", eps_low=EPS_LOW, eps_high=EPS_HIGH))
     value.backward()
     bound = min(max(seq_ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
     if clipped:
@@ -291,8 +296,7 @@ def test_gspo_token_ratios_outside_but_sequence_inside_is_not_clipped():
     adv = torch.tensor([1.0, 1.0], dtype=F64)
     for loss in LOSSES:
         lp = (old + torch.tensor([0.5, -0.5], dtype=F64)).requires_grad_(True)
-        value, _ = policy_loss(lp, old, adv, torch.ones(2, dtype=F64), torch.zeros(2, dtype=torch.long),
-                               loss=loss)
+        value, _ = policy_loss(lp, _one_document(old, adv), LossSpec(loss))
         value.backward()
         if loss == "gspo":
             # λ = −R·Ā = −1, dL/dlp_t = −Ā·R/n = −0.5 on both tokens
@@ -314,8 +318,7 @@ def test_gspo_sequence_ratio_outside_clips_tokens_whose_own_ratio_is_inside():
     out = {}
     for loss in LOSSES:
         lp = (old + log_r).requires_grad_(True)
-        value, _ = policy_loss(lp, old, adv, torch.ones(3, dtype=F64), torch.zeros(3, dtype=torch.long),
-                               loss=loss, aggregation="sample_mean")
+        value, _ = policy_loss(lp, _one_document(old, adv), LossSpec(loss, aggregation="sample_mean"))
         value.backward()
         out[loss] = (value.item(), lp.grad)
     assert out["gspo"][0] == pytest.approx(-1.2, rel=1e-12)

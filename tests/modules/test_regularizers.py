@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import (
     AGGREGATIONS,
     F64,
@@ -29,9 +31,10 @@ from rlcli.modules import (
     KL_ESTIMATORS,
     Correction,
     KLPenalty,
+    LossInputs,
+    LossSpec,
     Segments,
     StepTotals,
-    Terms,
     micro_batch_loss,
     policy_loss,
 )
@@ -82,13 +85,13 @@ def run_library(step, *, loss, aggregation, divisor, setting, metrics="with_entr
     """`policy_loss` with the terms of ``setting``; gradients w.r.t. lp, entropy and old."""
     lp, entropy, old, behav = (step[k].detach().clone().to(dtype).requires_grad_(True)
                                for k in ("lp", "entropy", "old", "behav"))
-    value, out = policy_loss(
-        lp, old, step["adv"].to(dtype), step["mask"], step["doc"], step["group"], loss=loss,
-        aggregation=aggregation, divisor=divisor, metrics=metrics, entropy=entropy, eps_low=EPS_LOW, eps_high=EPS_HIGH,
-        reference_logprobs=step["ref"].to(dtype) if with_inputs else None,
-        behaviour_logprobs=behav if with_inputs else None,
-        **library_terms(**setting),
-    )
+    inputs = LossInputs(proximal_logprobs=old, advantages=step["adv"].to(dtype), mask=step["mask"],
+                        document_index=step["doc"], group_index=step["group"],
+                        reference_logprobs=step["ref"].to(dtype) if with_inputs else None,
+                        sampler_logprobs=behav if with_inputs else None)
+    spec = loss_spec(loss=loss, aggregation=aggregation, divisor=divisor, metrics=metrics, eps_low=EPS_LOW,
+                     eps_high=EPS_HIGH, **library_terms(**setting))
+    value, out = policy_loss(lp, inputs, spec, entropy=entropy)
     value.backward()
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (lp, entropy, old)]
     return value.detach(), out, *grads, behav.grad
@@ -177,9 +180,9 @@ def test_the_kl_term_is_added_with_the_aggregation_weights(estimator):
     k = {"k1": -delta, "k2": delta**2 / 2, "k3": torch.exp(delta) - delta - 1}[estimator]
     beta = 0.45
     for aggregation, divisor in AGGREGATIONS:
-        value, _ = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], step["group"],
-                               aggregation=aggregation, divisor=divisor, reference_logprobs=step["ref"],
-                               kl=KLPenalty(coef=beta, estimator=estimator))
+        value, _ = policy_loss(step["lp"], step_inputs(step, reference_logprobs=step["ref"]),
+                               LossSpec(aggregation=aggregation, divisor=divisor,
+                                        kl=KLPenalty(coef=beta, estimator=estimator)))
         docs = documents(step["mask"], step["doc"], step["group"])
         positions = torch.nonzero(labelled).flatten().tolist()
         weight_of = {}
@@ -219,11 +222,12 @@ def test_every_correction_mode_and_level(loss, mode, level):
 def test_the_correction_weighs_the_policy_term_only():
     # with every document masked out, only the KL and entropy terms remain, unweighted
     step = terms_step(10)
-    common = dict(reference_logprobs=step["ref"], entropy=step["entropy"], kl=KLPenalty(coef=0.2), entropy_coef=0.1)
-    rejected_all, _ = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"],
-                                  behaviour_logprobs=step["old"] + 50.0, correction=Correction(mode="mask"), **common)
-    no_policy, _ = policy_loss(step["lp"], step["old"], torch.zeros_like(step["adv"]), step["mask"], step["doc"],
-                               **common)
+    inputs = step_inputs(step, group=False, reference_logprobs=step["ref"])
+    terms = dict(kl=KLPenalty(coef=0.2), entropy_coef=0.1)
+    rejected_all, _ = policy_loss(step["lp"], replace(inputs, sampler_logprobs=step["old"] + 50.0),
+                                  LossSpec(correction=Correction(mode="mask"), **terms), entropy=step["entropy"])
+    no_policy, _ = policy_loss(step["lp"], replace(inputs, advantages=torch.zeros_like(step["adv"])),
+                               LossSpec(**terms), entropy=step["entropy"])
     assert rejected_all.item() == pytest.approx(no_policy.item(), rel=1e-14)
 
 
@@ -234,8 +238,7 @@ def test_the_defaults_are_bitwise_the_loss_without_terms():
         for kwargs in (dict(), dict(kl=KLPenalty(), entropy_coef=0.0, correction=Correction()),
                        dict(kl=None, correction=Correction(mode="none", level="sequence"))):
             lp = step["lp"].clone().requires_grad_(True)
-            value, metrics = policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"],
-                                         loss=loss, aggregation="sample_mean", **kwargs)
+            value, metrics = policy_loss(lp, step_inputs(step), LossSpec(loss, aggregation="sample_mean", **kwargs))
             value.backward()
             runs.append((value, lp.grad, metrics))
         for value, grad, metrics in runs[1:]:
@@ -246,18 +249,16 @@ def test_the_defaults_are_bitwise_the_loss_without_terms():
 
 def test_reference_and_behaviour_log_probs_alone_add_their_metrics_and_nothing_else():
     step = terms_step(12)
-    base, base_metrics = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"])
-    value, metrics = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"],
-                                 reference_logprobs=step["ref"], behaviour_logprobs=step["behav"])
+    base, base_metrics = policy_loss(step["lp"], step_inputs(step, group=False), LossSpec())
+    with_both = step_inputs(step, group=False, reference_logprobs=step["ref"], sampler_logprobs=step["behav"])
+    value, metrics = policy_loss(step["lp"], with_both, LossSpec())
     assert torch.equal(value, base)
     assert set(metrics) - set(base_metrics) == {"kl_ref", "mismatch_kl"}
     expected = ref_term_metrics(step["lp"], step["old"], step["mask"], step["doc"], ref=step["ref"],
                                 behav=step["behav"])
     for name in ("kl_ref", "mismatch_kl"):
         assert metrics[name].item() == pytest.approx(expected[name], rel=TOL)
-    _, none = policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], metrics="none",
-                          reference_logprobs=step["ref"], behaviour_logprobs=step["behav"],
-                          correction=Correction(mode="truncate"))
+    _, none = policy_loss(step["lp"], with_both, LossSpec(metrics="none", correction=Correction(mode="truncate")))
     assert set(none) == {"loss", "num_documents", "num_tokens"}
 
 
@@ -338,21 +339,22 @@ OPTION_ERRORS = [
     (lambda: KLPenalty(coef=math.nan), r"^coef must be"),
     (lambda: KLPenalty(coef=math.inf), r"^coef must be"),
     (lambda: KLPenalty(coef=True), r"^coef must be"),
-    (lambda: KLPenalty(estimator="k4"), r"^estimator must be one of k1, k2, k3; got 'k4'$"),
-    (lambda: KLPenalty(estimator="K3"), r"^estimator must be one of"),
-    (lambda: Correction(mode="clip"), r"^mode must be one of none, truncate, mask; got 'clip'$"),
-    (lambda: Correction(level="batch"), r"^level must be one of token, sequence, geometric; got 'batch'$"),
+    (lambda: KLPenalty(estimator="k4"), r"^unknown KL estimator 'k4'; expected one of: k1, k2, k3$"),
+    (lambda: KLPenalty(estimator="K3"), r"^unknown KL estimator"),
+    (lambda: Correction(mode="clip"), r"^unknown correction mode 'clip'; expected one of: none, truncate, mask$"),
+    (lambda: Correction(level="batch"),
+     r"^unknown correction level 'batch'; expected one of: token, sequence, geometric$"),
     (lambda: Correction(low=0.0), r"^low must be a finite number > 0; got 0.0$"),
     (lambda: Correction(low=-1.0), r"^low must be"),
     (lambda: Correction(high=0.0), r"^high must be"),
     (lambda: Correction(high=math.inf), r"^high must be"),
     (lambda: Correction(low=3.0, high=2.0), r"^low must be <= high; got low=3.0, high=2.0$"),
-    (lambda: Terms.of(entropy_coef=-0.01), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got -0.01$"),
-    (lambda: Terms.of(entropy_coef=1e39), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got 1e\+39$"),
-    (lambda: Terms.of(entropy_coef=math.nan), r"^entropy_coef must be"),
-    (lambda: Terms.of(entropy_coef="0.1"), r"^entropy_coef must be"),
-    (lambda: Terms.of(kl=0.1), r"^kl must be a KLPenalty or None"),
-    (lambda: Terms.of(correction="mask"), r"^correction must be a Correction or None"),
+    (lambda: LossSpec(entropy_coef=-0.01), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got -0.01$"),
+    (lambda: LossSpec(entropy_coef=1e39), r"^entropy_coef must be a number in \[0, 3.40282e\+38\]; got 1e\+39$"),
+    (lambda: LossSpec(entropy_coef=math.nan), r"^entropy_coef must be"),
+    (lambda: LossSpec(entropy_coef="0.1"), r"^entropy_coef must be"),
+    (lambda: LossSpec(kl=0.1), r"^kl must be a KLPenalty or None"),
+    (lambda: LossSpec(correction="mask"), r"^correction must be a Correction or None"),
 ]
 
 
@@ -365,26 +367,32 @@ def test_invalid_options_raise_naming_them(make, message):
 def test_valid_edge_options():
     assert Correction(mode="mask", low=1.0, high=1.0).low == 1.0
     assert KLPenalty(coef=0.0).coef == 0.0
-    assert Terms.of(entropy_coef=0).entropy_coef == 0.0
-    assert Terms.of().kl == KLPenalty() and Terms.of().correction == Correction()
+    assert LossSpec(entropy_coef=0).entropy_coef == 0.0
+    assert not (LossSpec().kl_on or LossSpec().entropy_on or LossSpec().correction_on)
 
 
 def _entry_points(step):
     totals = StepTotals.of_tokens(step["mask"], Segments.of(step["doc"]))
 
+    def bundles(kw):
+        """The inputs (with the log-probs ``kw`` names) and the spec of the rest of ``kw``."""
+        tensors = {name: kw.pop(name) for name in ("reference_logprobs", "sampler_logprobs") if name in kw}
+        return step_inputs(step, group=False, **tensors), LossSpec(**kw)
+
     def policy(**kw):
-        return policy_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], **kw)
+        return policy_loss(step["lp"], *bundles(kw))
 
     def micro(**kw):
-        return micro_batch_loss(step["lp"], step["old"], step["adv"], step["mask"], step["doc"], totals, **kw)
+        inputs, spec = bundles(kw)
+        return micro_batch_loss(step["lp"], inputs, totals, spec)
 
     return [policy, micro]
 
 
 MISSING = [
     (dict(kl=KLPenalty(coef=0.1)), r"^kl.coef = 0.1 > 0 needs reference_logprobs$"),
-    (dict(correction=Correction(mode="truncate")), r"^correction mode 'truncate' needs behaviour_logprobs$"),
-    (dict(correction=Correction(mode="mask", level="sequence")), r"needs behaviour_logprobs"),
+    (dict(correction=Correction(mode="truncate")), r"^correction mode 'truncate' needs sampler_logprobs$"),
+    (dict(correction=Correction(mode="mask", level="sequence")), r"needs sampler_logprobs"),
     (dict(entropy_coef=0.01), r"^entropy_coef = 0.01 > 0 needs entropy"),
     (dict(entropy_coef=-1.0), r"^entropy_coef must be"),
     (dict(kl="k3"), r"^kl must be"),
@@ -403,8 +411,8 @@ def test_a_term_without_its_input_raises_naming_it(kwargs, message):
 def test_term_inputs_of_the_wrong_shape_raise_naming_them():
     step = terms_step(18)
     for entry in _entry_points(step):
-        for name in ("reference_logprobs", "behaviour_logprobs"):
-            with pytest.raises(ValueError, match=rf"^{name} must have the shape of logprobs"):
+        for name in ("reference_logprobs", "sampler_logprobs"):
+            with pytest.raises(ValueError, match=rf"^{name} must have the shape of proximal_logprobs"):
                 entry(**{name: step["ref"][:-1]})
     # off terms need nothing
     for entry in _entry_points(step):

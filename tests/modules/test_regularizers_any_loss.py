@@ -6,9 +6,11 @@ head with every term equals `token_logprobs` + `policy_loss`."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from loss_args import step_inputs
 from rl_reference import AGGREGATIONS, F64, documents, ref_document_weights, ref_kl_term, rel_err
 from test_loss_registry import _case
 from test_regularizers import terms_step
@@ -16,7 +18,9 @@ from test_regularizers import terms_step
 from rlcli.modules import (
     LOSSES,
     Correction,
+    HeadSpec,
     KLPenalty,
+    LossSpec,
     finalize_metrics,
     fused_micro_batch_loss,
     policy_loss,
@@ -29,9 +33,9 @@ TOL = 1e-10
 
 def _loss_and_grads(step, *, loss, aggregation, divisor, **terms):
     lp, entropy = (step[k].detach().clone().requires_grad_(True) for k in ("lp", "entropy"))
-    value, metrics = policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"], loss=loss,
-                                 aggregation=aggregation, divisor=divisor, metrics="with_entropy", entropy=entropy,
-                                 reference_logprobs=step["ref"], behaviour_logprobs=step["behav"], **terms)
+    inputs = step_inputs(step, reference_logprobs=step["ref"], sampler_logprobs=step["behav"])
+    spec = LossSpec(loss, aggregation=aggregation, divisor=divisor, metrics="with_entropy", **terms)
+    value, metrics = policy_loss(lp, inputs, spec, entropy=entropy)
     value.backward()
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (lp, entropy)]
     return value.detach(), metrics, *grads
@@ -95,20 +99,18 @@ def test_the_fused_head_with_every_term_equals_token_logprobs_and_policy_loss_fo
     labelled = step["mask"] > 0
     ref = torch.where(labelled, step["lp"] + 0.3 * torch.randn(n, generator=g, dtype=F64), math.nan)
     behav = torch.where(labelled, step["old"] + 0.4 * torch.randn(n, generator=g, dtype=F64), -math.inf)
-    terms = dict(reference_logprobs=ref, behaviour_logprobs=behav, kl=KLPenalty(coef=0.25), entropy_coef=0.08,
-                 correction=Correction(mode="truncate", level="geometric", high=1.2))
-    head = dict(temperature=0.8, chunk_tokens=chunk_tokens)
+    spec = LossSpec(loss, metrics="with_entropy", kl=KLPenalty(coef=0.25), entropy_coef=0.08,
+                    correction=Correction(mode="truncate", level="geometric", high=1.2))
+    head = HeadSpec(temperature=0.8, chunk_tokens=chunk_tokens)
+    inputs = step_inputs(step, group_index=step["group_index"], reference_logprobs=ref, sampler_logprobs=behav)
 
     h, w = (step[k].clone().requires_grad_(True) for k in ("hidden", "weight"))
-    value, partials = fused_micro_batch_loss(h, w, step["labels"], step["old"], step["adv"], step["mask"], step["doc"],
-                                             step["totals"], step["group_index"], loss=loss, metrics="with_entropy",
-                                             **head, **terms)
+    value, partials = fused_micro_batch_loss(h, w, step["labels"], inputs, step["totals"], spec, head)
     value.backward()
 
     h2, w2 = (step[k].clone().requires_grad_(True) for k in ("hidden", "weight"))
-    lp, entropy = token_logprobs(h2, w2, step["labels"], with_entropy=True, **head)
-    expected, metrics = policy_loss(lp, step["old"], step["adv"], step["mask"], step["doc"], step["group"], loss=loss,
-                                    metrics="with_entropy", entropy=entropy, **terms)
+    lp, entropy = token_logprobs(h2, w2, step["labels"], head, with_entropy=True)
+    expected, metrics = policy_loss(lp, replace(inputs, group_index=step["group"]), spec, entropy=entropy)
     expected.backward()
     assert rel_err(value, expected) <= 1e-12
     assert rel_err(h.grad, h2.grad) <= TOL and rel_err(w.grad, w2.grad) <= TOL

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import pytest
 import torch
+from loss_args import loss_spec, step_inputs
 from rl_reference import (
     AGGREGATIONS,
     F64,
@@ -28,7 +29,9 @@ from rlcli.modules import (
     GRPO,
     GSPO,
     Correction,
+    HeadSpec,
     KLPenalty,
+    LossSpec,
     Segments,
     finalize_metrics,
     fused_head,
@@ -56,14 +59,15 @@ def terms_case(seed, **kw):
     return step, hidden, weight, labels, group_index, totals
 
 
-def fused(step, hidden, weight, labels, group_index, totals, *, setting, scale=1.0, **kw):
+def fused(step, hidden, weight, labels, group_index, totals, *, setting, scale=1.0, temperature=1.0, fp32=False,
+          chunk_tokens="auto", **kw):
     hidden = hidden.detach().clone().requires_grad_(True)
     weight = weight.detach().clone().requires_grad_(True)
     options = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH) if isinstance(kw.get("loss", "grpo"), str) else {}
-    value, partials = fused_micro_batch_loss(
-        hidden, weight, labels, step["old"], step["adv"], step["mask"], step["doc"], totals, group_index,
-        reference_logprobs=step["ref"], behaviour_logprobs=step["behav"], **library_terms(**setting), **options, **kw,
-    )
+    inputs = step_inputs(step, group_index=group_index, reference_logprobs=step["ref"], sampler_logprobs=step["behav"])
+    spec = loss_spec(**library_terms(**setting), **options, **kw)
+    head = HeadSpec(temperature=temperature, fp32=fp32, chunk_tokens=chunk_tokens)
+    value, partials = fused_micro_batch_loss(hidden, weight, labels, inputs, totals, spec, head)
     (value * scale).backward()
     return value.detach(), finalize_metrics(partials, totals), hidden.grad, weight.grad
 
@@ -191,17 +195,23 @@ def test_extreme_log_ratios_in_the_fused_head_are_finite():
 
 def test_fused_term_errors_are_named():
     step, hidden, weight, labels, group_index, totals = terms_case(13)
-    args = (hidden, weight, labels, step["old"], step["adv"], step["mask"], step["doc"], totals, group_index)
+    inputs = step_inputs(step, group_index=group_index)
+
+    def call(inputs=inputs, **spec):
+        return fused_micro_batch_loss(hidden, weight, labels, inputs, totals, LossSpec(**spec), HeadSpec())
+
     with pytest.raises(ValueError, match=r"^kl.coef = 0.1 > 0 needs reference_logprobs$"):
-        fused_micro_batch_loss(*args, kl=KLPenalty(coef=0.1))
-    with pytest.raises(ValueError, match=r"^correction mode 'mask' needs behaviour_logprobs$"):
-        fused_micro_batch_loss(*args, correction=Correction(mode="mask"))
+        call(kl=KLPenalty(coef=0.1))
+    with pytest.raises(ValueError, match=r"^correction mode 'mask' needs sampler_logprobs$"):
+        call(correction=Correction(mode="mask"))
     with pytest.raises(ValueError, match=r"^entropy_coef must be"):
-        fused_micro_batch_loss(*args, entropy_coef=-0.5)
-    with pytest.raises(ValueError, match=r"^reference_logprobs must have the shape of labels"):
-        fused_micro_batch_loss(*args, reference_logprobs=step["ref"][:-1])
+        call(entropy_coef=-0.5)
+    with pytest.raises(ValueError, match=r"^reference_logprobs must have the shape of proximal_logprobs"):
+        call(replace(inputs, reference_logprobs=step["ref"][:-1]))
+    with pytest.raises(ValueError, match=r"^the inputs must have the shape of labels"):
+        call(inputs.select(torch.arange(labels.numel() - 1)))
     # the fused head computes the entropy itself: the bonus needs no entropy argument
-    fused_micro_batch_loss(*args, entropy_coef=0.5)
+    call(entropy_coef=0.5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +248,7 @@ def test_head_logprobs_are_the_fused_losses_own_bit_for_bit(capture, chunk_token
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     fp32 = dtype == torch.bfloat16
     head = dict(temperature=0.7, fp32=fp32, chunk_tokens=chunk_tokens)
-    scored = head_logprobs(hidden, weight, labels, step["mask"], step["doc"], loss=capture(), **head)
+    scored = head_logprobs(hidden, weight, labels, step["mask"], step["doc"], LossSpec(capture()), HeadSpec(**head))
     assert scored.dtype == (F64 if dtype == F64 else torch.float32)
     assert torch.all(scored[(step["mask"] == 0) | (labels < 0)] == 0)
     for metrics, setting in (("basic", {}), ("with_entropy", {}), ("none", dict(entropy_coef=0.1))):
@@ -255,7 +265,7 @@ def test_proximal_and_reference_log_probs_from_head_logprobs_give_ratio_1_and_kl
     step, hidden, weight, labels, group_index, totals = terms_case(31)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     head = dict(temperature=0.9, chunk_tokens=3)
-    own = head_logprobs(hidden, weight, labels, step["mask"], step["doc"], loss=loss, **head)
+    own = head_logprobs(hidden, weight, labels, step["mask"], step["doc"], LossSpec(loss), HeadSpec(**head))
     step["behav"] = step["old"].clone()  # the sampler's
     step["old"] = own  # the proximal: the trainer's own at the start of the batch
     step["ref"] = own.clone()  # a reference model equal to the policy
@@ -269,13 +279,17 @@ def test_proximal_and_reference_log_probs_from_head_logprobs_give_ratio_1_and_kl
 
 def test_head_logprobs_checks_its_arguments():
     step, hidden, weight, labels, _, _ = terms_case(32)
+    args = (hidden, weight, labels, step["mask"], step["doc"], LossSpec())
     with pytest.raises(ValueError, match="temperature"):
-        head_logprobs(hidden, weight, labels, step["mask"], step["doc"], temperature=0.0)
+        head_logprobs(*args, HeadSpec(temperature=0.0))
     with pytest.raises(ValueError, match="chunk_tokens"):
-        head_logprobs(hidden, weight, labels, step["mask"], step["doc"], chunk_tokens=-1)
-    with pytest.raises(ValueError, match=r"^loss must be one of"):
-        head_logprobs(hidden, weight, labels, step["mask"], step["doc"], loss="ppo")
-    assert head_logprobs(hidden.requires_grad_(True), weight, labels, step["mask"], step["doc"]).grad_fn is None
+        head_logprobs(*args, HeadSpec(chunk_tokens=-1))
+    with pytest.raises(ValueError, match=r"^unknown loss 'ppo'"):
+        head_logprobs(hidden, weight, labels, step["mask"], step["doc"], LossSpec("ppo"), HeadSpec())
+    with pytest.raises(ValueError, match="labels"):
+        head_logprobs(hidden, weight, labels[:-1], step["mask"], step["doc"], LossSpec(), HeadSpec())
+    hidden.requires_grad_(True)
+    assert head_logprobs(*args, HeadSpec()).grad_fn is None
 
 
 def test_head_logprobs_with_auto_chunks_equals_the_explicit_chunk(monkeypatch):
@@ -283,8 +297,9 @@ def test_head_logprobs_with_auto_chunks_equals_the_explicit_chunk(monkeypatch):
     monkeypatch.setitem(lm_head.AUTO_CHUNK_LOGITS, "cpu", 16 * vocab + 15)  # "auto" = 16 tokens
     monkeypatch.setattr(lm_head, "AUTO_CHUNK_MIN_TOKENS", 16)
     step, hidden, weight, labels, _, _ = terms_case(3, num_docs=24, max_len=4, vocab=vocab)
-    args = (hidden, weight, labels, step["mask"], step["doc"])
-    assert torch.equal(head_logprobs(*args, chunk_tokens="auto"), head_logprobs(*args, chunk_tokens=16))
+    args = (hidden, weight, labels, step["mask"], step["doc"], LossSpec())
+    assert torch.equal(head_logprobs(*args, HeadSpec(chunk_tokens="auto")),
+                       head_logprobs(*args, HeadSpec(chunk_tokens=16)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -308,8 +323,8 @@ def test_on_the_gpu_every_term_matches_float64_and_head_logprobs_are_bitwise(los
     for name, want in expected.items():
         assert metrics[name].item() == pytest.approx(want, rel=1e-4, abs=1e-5), name
     # the trainer's proximal log-probs: ratio 1 and kl_ref 0 exactly on the GPU too
-    own = head_logprobs(hidden.to(cuda), weight.to(cuda), labels.to(cuda), to["mask"], to["doc"], loss=loss,
-                        temperature=0.8, fp32=True, chunk_tokens=16)
+    own = head_logprobs(hidden.to(cuda), weight.to(cuda), labels.to(cuda), to["mask"], to["doc"], LossSpec(loss),
+                        HeadSpec(temperature=0.8, fp32=True, chunk_tokens=16))
     to["behav"], to["old"], to["ref"] = to["old"], own, own.clone()
     _, metrics, _, _ = fused(to, hidden.to(cuda), weight.to(cuda), labels.to(cuda), group_index.to(cuda), totals_,
                              setting=setting, **kw)

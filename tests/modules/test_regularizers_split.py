@@ -7,11 +7,12 @@ import random
 
 import pytest
 import torch
+from loss_args import loss_spec
 from rl_reference import AGGREGATIONS, LOSSES, documents, rel_err
 from test_invariance import _micro_batches, _random_pieces
 from test_regularizers import library_terms, reference_metrics, run_library, run_reference, terms_step
 
-from rlcli.modules import MetricPartials, Segments, StepTotals, finalize_metrics, micro_batch_loss
+from rlcli.modules import LossInputs, MetricPartials, Segments, StepTotals, finalize_metrics, micro_batch_loss
 
 TOL = 1e-9
 
@@ -35,14 +36,14 @@ def split_run(step, pieces, *, loss, aggregation, divisor, setting):
     for idx in index_of_mb:
         totals = totals + StepTotals.of_tokens(step["mask"][idx], Segments.of(step["doc"][idx]), group_index[idx],
                                                num_groups)
+    spec = loss_spec(loss=loss, aggregation=aggregation, divisor=divisor, metrics="with_entropy", eps_low=0.2,
+                     eps_high=0.28, **library_terms(**setting))
     total_loss, partials = 0.0, MetricPartials()
     for idx in index_of_mb:
-        value, part = micro_batch_loss(
-            lp[idx], old[idx], step["adv"][idx], step["mask"][idx], step["doc"][idx], totals, group_index[idx],
-            loss=loss, aggregation=aggregation, divisor=divisor, metrics="with_entropy", entropy=entropy[idx],
-            eps_low=0.2, eps_high=0.28, reference_logprobs=step["ref"][idx], behaviour_logprobs=step["behav"][idx],
-            **library_terms(**setting),
-        )
+        inputs = LossInputs(proximal_logprobs=old[idx], advantages=step["adv"][idx], mask=step["mask"][idx],
+                            document_index=step["doc"][idx], group_index=group_index[idx],
+                            reference_logprobs=step["ref"][idx], sampler_logprobs=step["behav"][idx])
+        value, part = micro_batch_loss(lp[idx], inputs, totals, spec, entropy=entropy[idx])
         value.backward()  # each micro-batch's own backward, as the trainer does
         total_loss = total_loss + value.detach()
         partials = partials + part

@@ -6,8 +6,18 @@ import math
 
 import pytest
 import torch
+from loss_args import loss_spec
 
-from rlcli.modules import Segments, StepTotals, check_policy_loss_options, micro_batch_loss, policy_loss, token_logprobs
+from rlcli.modules import (
+    HeadSpec,
+    LossInputs,
+    LossSpec,
+    Segments,
+    StepTotals,
+    micro_batch_loss,
+    policy_loss,
+    token_logprobs,
+)
 
 N = 5
 
@@ -15,7 +25,7 @@ N = 5
 def _step(**override):
     step = dict(
         logprobs=-torch.rand(N, dtype=torch.float64),
-        old_logprobs=-torch.rand(N, dtype=torch.float64),
+        proximal_logprobs=-torch.rand(N, dtype=torch.float64),
         advantages=torch.randn(N, dtype=torch.float64),
         mask=torch.tensor([0, 1, 1, 0, 1], dtype=torch.float64),
         document_index=torch.tensor([0, 0, 0, 1, 1]),
@@ -25,12 +35,16 @@ def _step(**override):
     return step
 
 
+def _inputs(step):
+    names = ("proximal_logprobs", "advantages", "mask", "document_index", "group_index")
+    return LossInputs(**{name: step[name] for name in names})
+
+
 def _call(options=None, **override):
+    options = dict(options or {})
+    entropy = options.pop("entropy", None)
     step = _step(**override)
-    return policy_loss(
-        step["logprobs"], step["old_logprobs"], step["advantages"], step["mask"], step["document_index"],
-        step["group_index"], **(options or {}),
-    )
+    return policy_loss(step["logprobs"], _inputs(step), loss_spec(**options), entropy=entropy)
 
 
 OPTION_ERRORS = [
@@ -71,7 +85,7 @@ def test_invalid_option_raises_naming_it(options, name):
         _call(options)
     full = dict(loss="grpo", aggregation="token_mean", divisor=None, eps_low=0.2, eps_high=0.2, metrics="basic")
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        check_policy_loss_options(**(full | options))
+        loss_spec(**(full | options))
 
 
 @pytest.mark.parametrize("options", [
@@ -94,12 +108,12 @@ def test_prompt_mean_needs_group_index():
     step = _step()
     totals = StepTotals.of_tokens(step["mask"], Segments.of(step["document_index"]))
     with pytest.raises(ValueError, match=r"\bgroup_index\b"):
-        micro_batch_loss(step["logprobs"], step["old_logprobs"], step["advantages"], step["mask"],
-                         step["document_index"], totals, None, aggregation="prompt_mean")
+        micro_batch_loss(step["logprobs"], _inputs(step | {"group_index": None}), totals,
+                         LossSpec(aggregation="prompt_mean"))
 
 
 SHAPE_ERRORS = [
-    ("old_logprobs", torch.zeros(N - 1, dtype=torch.float64)),
+    ("proximal_logprobs", torch.zeros(N - 1, dtype=torch.float64)),
     ("advantages", torch.zeros(N + 1, dtype=torch.float64)),
     ("mask", torch.ones(N, 1, dtype=torch.float64)),
     ("document_index", torch.zeros(N - 2, dtype=torch.long)),
@@ -123,8 +137,7 @@ def test_micro_batch_loss_mismatched_shapes(name, bad):
     step["group_index"] = torch.tensor([0, 0, 0, 1, 1])
     step[name] = bad
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        micro_batch_loss(step["logprobs"], step["old_logprobs"], step["advantages"], step["mask"],
-                         step["document_index"], totals, step["group_index"])
+        micro_batch_loss(step["logprobs"], _inputs(step), totals, LossSpec())
 
 
 def test_entropy_shape_and_presence():
@@ -157,12 +170,12 @@ def test_token_logprobs_invalid_arguments(override, name):
     args |= override
     hidden, weight, labels = args.pop("hidden"), args.pop("weight"), args.pop("labels")
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        token_logprobs(hidden, weight, labels, **args)
+        token_logprobs(hidden, weight, labels, HeadSpec(**args))
 
 
 def test_token_logprobs_valid_edges():
     hidden, weight = torch.randn(N, 8), torch.randn(11, 8)
     labels = torch.tensor([0, -100, 2, 3, 10])
     for kw in (dict(temperature=1e-3), dict(temperature=50.0), dict(chunk_tokens=0), dict(chunk_tokens=1)):
-        lp, _ = token_logprobs(hidden, weight, labels, **kw)
+        lp, _ = token_logprobs(hidden, weight, labels, HeadSpec(**kw))
         assert torch.all(torch.isfinite(lp)) and lp[1] == 0

@@ -13,8 +13,7 @@ import torch
 
 from factories import tiny_policy
 from rlcli.data.packing import make_micro_batch
-from rlcli.modules.lm_head import token_logprobs
-from rlcli.modules.policy_loss import policy_loss
+from rlcli.modules import HeadSpec, LossInputs, LossSpec, policy_loss, token_logprobs
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.sampler import HFSampler
 from rlcli.rollout.tasks import ReverseTask
@@ -56,10 +55,10 @@ def train_on_rollouts(
         hidden = model.base_model(
             input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=False
         ).last_hidden_state[0]  # [L, H]
-        logprobs, _ = token_logprobs(hidden, head, batch.labels, temperature=temperature)  # [L]
-        loss, _ = policy_loss(
-            logprobs, batch.old_logprobs, batch.advantages, batch.mask, batch.document_index, metrics="none"
-        )
+        logprobs, _ = token_logprobs(hidden, head, batch.labels, HeadSpec(temperature=temperature))  # [L]
+        inputs = LossInputs(proximal_logprobs=batch.sampler_logprobs, advantages=batch.advantages, mask=batch.mask,
+                            document_index=batch.document_index)
+        loss, _ = policy_loss(logprobs, inputs, LossSpec(metrics="none"))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
