@@ -66,15 +66,12 @@ def evaluate_model(cfg: DictConfig, run_dir: Path) -> Path:
     from transformers.utils import logging as transformers_logging
 
     from rlcli.conf import build_target
-    from rlcli.conf.validate import resolve_config, validate_config
+    from rlcli.conf.validate import load_config
     from rlcli.model.policy import build_policy
     from rlcli.rollout.evaluate import eval_prompts, evaluate
     from rlcli.rollout.samplers import build_sampler
 
-    resolved, typed = resolve_config(cfg), validate_config(cfg)
-    if typed.task is None or typed.rollout is None:
-        raise UserError(f"task: rlcli eval needs a task and its rollout options (data=generate or stream, the "
-                        f"default), not data={typed.data.kind}")
+    resolved, typed = load_config(cfg, command="eval")  # a task and its rollout options
     task = build_target(typed.task, "task")
     transformers_logging.disable_progress_bar()
     model = build_policy(typed.model).to(_device(typed.trainer.accelerator))

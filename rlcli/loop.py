@@ -12,7 +12,6 @@ killed as a whole on the way out, and gets a SIGTERM if the loop itself dies.
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import signal
@@ -26,14 +25,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rlcli.commands.app import hydra_app
-from rlcli.errors import UserError
 from rlcli.processes import die_with_parent
 
 SAMPLER_GRACE = 10.0  # seconds the samplers get to exit on the trainer's final announcement
 STOP_TIMEOUT = 60.0  # seconds the processes get to exit after a SIGTERM before they are killed
 TRAINER = "trainer"
 COLOURS = ("green", "magenta", "yellow", "blue", "bright_green", "bright_magenta", "bright_yellow", "bright_blue")
-PLACEHOLDER_URL = "redis://127.0.0.1:6379/0"  # stands for the loop's own server while the config is checked
 
 
 class Signals:
@@ -151,34 +148,19 @@ class Loop:
         self.pump(0.5)  # the last lines
 
 
-def check_config(cfg: DictConfig):
-    """The validated config, ``data.url`` allowed to be null (the loop then brings its own server)."""
-    from omegaconf import OmegaConf
-
-    from rlcli.conf.validate import validate_config
-
-    checked = copy.deepcopy(cfg)
-    if OmegaConf.select(checked, "data.kind") == "stream" and OmegaConf.select(checked, "data.url") is None:
-        checked.data.url = PLACEHOLDER_URL
-    typed = validate_config(checked)
-    if typed.data.kind != "stream":
-        raise UserError(f"data: rlcli loop runs samplers and a trainer around a stream (data=stream), "
-                        f"not data={typed.data.kind}")
-    return typed
-
-
 def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
     """Run the loop that ``cfg`` (composed from ``overrides``) describes in ``run_dir``; the exit code."""
     from rich.console import Console
 
+    from rlcli.conf.validate import validate_config
     from rlcli.sample import WORKER_ENV
     from rlcli.stream.server import EmbeddedRedis
 
-    typed = check_config(cfg)
+    typed = validate_config(cfg, command="loop")  # data=stream; data.url null: the loop's own server
     signals = Signals()
     loop = Loop(Console(highlight=False))
     server = None
-    url = cfg.data.url  # None: the loop's own server (the checked config holds a placeholder)
+    url = typed.data.url  # None: the loop's own server
     try:
         if url is None:
             server = EmbeddedRedis(run_dir / "redis").start()

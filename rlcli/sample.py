@@ -64,13 +64,7 @@ def sample(cfg: DictConfig) -> int:
     from rlcli.stream.connection import connect
     from rlcli.stream.worker import SamplerWorker
 
-    typed = validate_config(cfg)
-    if typed.data.kind != "stream":
-        raise UserError(f"data: rlcli sample pushes into a stream (data=stream), not data={typed.data.kind}")
-    if typed.data.url is None:
-        raise UserError("data.url: rlcli sample needs the trainer's Redis server (data.url=redis://host:port/db)")
-    if typed.task is None:
-        raise UserError("task: rlcli sample needs a task to sample (task=reverse, or a _target_)")
+    typed = validate_config(cfg, command="sample")  # data=stream with a data.url and a task
     index = worker_index(typed.sample.workers)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # several samplers and a trainer share the machine's cores

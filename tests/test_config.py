@@ -155,6 +155,64 @@ def test_a_sampler_temperature_apart_from_the_loss_temperature_names_both_keys()
     assert any(p.startswith("rollout.temperature: 0.7 differs from loss.temperature=1.0") for p in problems), problems
 
 
+@pytest.mark.parametrize("overrides, command", [
+    (["data=stream", "data.url=redis://127.0.0.1:1/0"], "sample"),
+    (["data=stream"], "loop"),  # the loop brings its own Redis server: no data.url
+])
+def test_the_samplers_of_the_live_loop_sample_at_the_loss_temperature(overrides, command):
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_train_config([*overrides, "rollout.temperature=0.7"]), command=command)
+    assert any(p.startswith("rollout.temperature: 0.7 differs from loss.temperature=1.0") for p in info.value.problems)
+    allowed = ["data.allow_temperature_mismatch=true", "rollout.temperature=0.7"]
+    assert validate_config(compose_train_config([*overrides, *allowed]), command=command).rollout.temperature == 0.7
+
+
+def test_the_trainer_of_a_stream_does_not_sample():
+    """`rlcli train data=stream` samples nothing itself: its rollout.temperature is the samplers' business."""
+    validate_config(compose_train_config(["data=stream", "data.url=redis://127.0.0.1:1/0", "rollout.temperature=0.7"]))
+
+
+@pytest.mark.parametrize("command", ["sample", "loop"])
+def test_cli_sampler_temperature_mismatch_exits_2_naming_both_keys(tmp_path, command):
+    result = run_rlcli([command, "rollout.temperature=0.7", "data.url=redis://127.0.0.1:1/0", "trainer.max_steps=3",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "rollout.temperature: 0.7 differs from loss.temperature=1.0" in output and "Traceback" not in output
+
+
+def test_the_eval_every_rule_is_reported_with_the_other_problems():
+    problems = problems_of(["eval.every=2", "data=stream", "data.url=redis://127.0.0.1:1/0", "strategy=fsdp2",
+                            "optimizer.lr=0"])
+    assert any(p.startswith("eval.every: every rank samples with the whole policy") for p in problems), problems
+    assert any(p.startswith("optimizer.lr: must be > 0") for p in problems), problems
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout.stop=['']"], "rollout.stop: an empty stop string would end every completion at its first token"),
+    (["rollout.stop=[-1]"], "rollout.stop: ids [-1] are negative"),
+])
+def test_rollout_stop_is_checked_with_the_rest(overrides, expected):
+    problems = problems_of([*overrides, "optimizer.lr=0"])
+    assert any(p.startswith(expected) for p in problems) and len(problems) == 2, problems
+
+
+@pytest.mark.parametrize("overrides, command, expected", [
+    (["data=rollouts"], "sample", "data: rlcli sample pushes into a stream (data=stream), not data=rollouts"),
+    (["data=stream", "~task"], "sample", "task: rlcli sample needs a task to sample"),
+    (["data=stream"], "sample", "data.url: rlcli sample needs the trainer's Redis server"),
+    (["data=generate"], "loop", "data: rlcli loop runs samplers and a trainer around a stream (data=stream), "
+                                "not data=generate"),
+    (["data=rollouts"], "eval", "task: rlcli eval needs a task and its rollout options"),
+])
+def test_the_checks_of_each_command_are_reported_with_the_rest(overrides, command, expected):
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_train_config([*overrides, "optimizer.lr=0"]), command=command)
+    problems = info.value.problems
+    assert any(p.startswith(expected) for p in problems) and any(p.startswith("optimizer.lr") for p in problems), \
+        problems
+
+
 def test_the_loss_group_becomes_its_registered_loss_object():
     cfg = validate_config(compose_train_config(["loss=gspo", "loss.eps_low=0.1", "loss.eps_high=0.3"]))
     assert type(cfg.loss.objective).__name__ == "GSPO" and cfg.loss.objective.name == "gspo"

@@ -85,16 +85,18 @@ def test_eval_without_a_model_directory_exits_2(args, capsys):
 
 @pytest.mark.parametrize("case, message", [
     ("not a model", "rlcli eval: error: model.path: {dir} is not a Hugging Face checkpoint directory (no config.json)"),
-    ("no task", "rlcli eval: error: task: rlcli eval needs a task and its rollout options (data=generate or stream,"),
+    ("no task", "rlcli eval: error: Invalid configuration (1 problem):\n"
+                "  - task: rlcli eval needs a task and its rollout options (data=generate or stream,"),
 ])
-def test_eval_errors_are_one_line_and_exit_2(initial_model, tmp_path, case, message):
+def test_eval_errors_are_one_message_and_exit_2(initial_model, tmp_path, case, message):
     model_dir = tmp_path / "empty" if case == "not a model" else initial_model
     model_dir.mkdir(exist_ok=True)
     extra = ["data=rollouts"] if case == "no task" else []
     result = run_rlcli(["eval", str(model_dir), f"hydra.run.dir={tmp_path / 'run'}", *extra], cwd=tmp_path)
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(message.format(dir=model_dir)), result.stderr[-3000:]
+    output = result.stderr.strip()
+    assert len(output.splitlines()) == message.count("\n") + 1, result.stderr[-3000:]
+    assert output.startswith(message.format(dir=model_dir)), result.stderr[-3000:]
     assert not (tmp_path / "run" / "eval.json").exists()
 
 

@@ -1,14 +1,17 @@
 """Config rules that depend on this machine: the GPUs torch can use and the optional packages installed.
 
-Checked with every other rule (`rlcli.conf.validate`), so that a run that cannot start here is told
+Checked with every other rule (`rlcli.conf.rules`), so that a run that cannot start here is told
 so before anything is built. A run on other machines (a Slurm job) checks them where it runs.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
+if TYPE_CHECKING:
+    from rlcli.conf.schema import TrainerConfig
 
 
 def gpus() -> tuple[str | None, int]:
@@ -23,33 +26,31 @@ def gpus() -> tuple[str | None, int]:
     return ("cuda", count) if count else (None, 0)
 
 
-def check_machine(trainer: DictConfig, strategy: DictConfig, model: DictConfig, problems: list[str]) -> None:
-    """Append a ``"key: what is wrong"`` line for each thing the config's ``trainer``, ``strategy`` and
-    ``model`` groups ask of this machine that it lacks."""
+def machine_problems(trainer: TrainerConfig, strategy, model) -> Iterator[str]:
+    """A ``"key: what is wrong"`` line for each thing the typed ``trainer``, ``strategy`` and ``model``
+    groups ask of this machine that it lacks."""
     kind, count = gpus()
-    accelerator = trainer.get("accelerator")
+    accelerator = trainer.accelerator
     on_gpu = count > 0 and accelerator in ("auto", "gpu")
     on_cuda = on_gpu and kind == "cuda"
     if accelerator == "gpu" and count == 0:
-        problems.append("trainer.accelerator: gpu, but torch finds no GPU on this machine "
-                        "(torch.cuda.is_available() is False); use trainer.accelerator=cpu or auto")
-    devices = trainer.get("devices")
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if on_gpu and devices > count:
-            problems.append(f"trainer.devices: {devices} processes need a GPU each, this machine has {count}")
-        elif not on_gpu and devices > (os.cpu_count() or 1):
-            problems.append(f"trainer.devices: {devices} processes on CPU, more than the {os.cpu_count()} cores "
-                            "of this machine")
-    if strategy.get("name") == "fsdp" and not on_cuda:
-        problems.append("strategy: fsdp needs CUDA GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)")
-    if strategy.get("process_group_backend") == "nccl" and not on_cuda:
-        problems.append("strategy.process_group_backend: nccl connects CUDA GPUs; on CPU use gloo (or null)")
-    if model.get("attn_implementation") == "flash_attention_2":
+        yield ("trainer.accelerator: gpu, but torch finds no GPU on this machine "
+               "(torch.cuda.is_available() is False); use trainer.accelerator=cpu or auto")
+    devices = trainer.devices
+    if on_gpu and devices > count:
+        yield f"trainer.devices: {devices} processes need a GPU each, this machine has {count}"
+    elif not on_gpu and devices > (os.cpu_count() or 1):
+        yield f"trainer.devices: {devices} processes on CPU, more than the {os.cpu_count()} cores of this machine"
+    if strategy.name == "fsdp" and not on_cuda:
+        yield "strategy: fsdp needs CUDA GPUs; on CPU use strategy=fsdp2 (FSDP2 over gloo)"
+    if getattr(strategy, "process_group_backend", None) == "nccl" and not on_cuda:  # auto has none
+        yield "strategy.process_group_backend: nccl connects CUDA GPUs; on CPU use gloo (or null)"
+    if model.attn_implementation == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
         if not is_flash_attn_2_available():
-            problems.append("model.attn_implementation: flash_attention_2 needs the flash_attn package (>= 2.3.3) "
-                            "and a CUDA GPU, which this machine lacks; use sdpa or varlen")
+            yield ("model.attn_implementation: flash_attention_2 needs the flash_attn package (>= 2.3.3) "
+                   "and a CUDA GPU, which this machine lacks; use sdpa or varlen")
         elif not on_cuda:
-            problems.append("model.attn_implementation: flash_attention_2 runs on GPUs only, not with "
-                            f"trainer.accelerator={accelerator}; use sdpa or varlen")
+            yield ("model.attn_implementation: flash_attention_2 runs on GPUs only, not with "
+                   f"trainer.accelerator={accelerator}; use sdpa or varlen")

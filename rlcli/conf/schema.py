@@ -1,20 +1,24 @@
 """The typed schema of `rlcli train`'s config: one dataclass per config group option.
 
-`rlcli.conf.validate` checks a composed config against these classes, reports every problem at
-once, and hands `rlcli.build` instances of them. Bounds live in each field's metadata:
-``ge``/``gt``/``le``/``lt`` (a list's hold for each item; a ``tuple[...]`` is a list of exactly that
-many items). Defaults live in the YAML files only; closed sets and the bounds the library also
-checks come from the code that uses them.
+`rlcli.conf.validate` checks a composed config against these classes (`rlcli.conf.typecheck`),
+reports every problem at once, and hands `rlcli.build` instances of them. Bounds live in each field's
+metadata: ``ge``/``gt``/``le``/``lt`` (a list's hold for each item; a ``tuple[...]`` is a list of
+exactly that many items). Defaults live in the YAML files only; closed sets and the bounds the
+library also checks come from the code that uses them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional, Union
 
+from omegaconf import DictConfig
+
+from rlcli.conf.typecheck import Target, bounded, built, schema_fields
 from rlcli.modules import AGGREGATIONS, CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, METRIC_LEVELS, PolicyLoss
 from rlcli.modules.aggregation import DIVISOR
 from rlcli.modules.bounds import TEMPERATURE
+from rlcli.modules.losses import make_loss
 from rlcli.modules.regularizers import TERM_COEF
 from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
 
@@ -27,19 +31,10 @@ SCHEDULES = Literal["constant", "cosine"]
 ATTENTION = Literal["sdpa", "eager", "flash_attention_2", "varlen"]
 
 
-class Target(dict):
-    """The type of a node that builds an object: ``_target_`` (a class or function of a trusted module,
-    see ``allow_targets``) and its arguments."""
-
-
-def bounded(**bounds) -> dict:
-    """Field metadata with numeric bounds, e.g. ``field(metadata=bounded(ge=0))``."""
-    return field(metadata=bounds)
-
-
-def built() -> dict:
-    """Metadata of a field that is no config key: the validator builds it from the group's other keys."""
-    return field(metadata={"built": True})
+def _loss_object(node: DictConfig) -> PolicyLoss:
+    """The loss the ``loss`` group names, with the group's keys beyond `LossConfig`'s as its options."""
+    shared = {*schema_fields(LossConfig), "_target_"}
+    return make_loss(node.name, **{key: node[key] for key in node.keys() if key not in shared})
 
 
 @dataclass
@@ -47,33 +42,34 @@ class LossConfig:
     """The `loss` group: a registered loss ``name`` (or a `PolicyLoss` class by ``_target_``) and
     its own options, which the validator checks against that class, and how the head scores."""
 
+    other_keys: ClassVar[bool] = True  # the options of the loss class: checked by rlcli.conf.validate
     name: str
     temperature: float = bounded(**TEMPERATURE)
     fp32_lm_head: bool
     chunk_tokens: Union[int, Literal["auto"]] = bounded(ge=0)
     old_logprobs: Literal["sampler", "recompute"]
     entropy_coef: float = bounded(**TERM_COEF)
-    objective: PolicyLoss = built()  # the loss object, with the group's remaining keys as options
+    objective: PolicyLoss = built(_loss_object)  # the loss object, with the group's remaining keys as options
 
 
 @dataclass
 class KLConfig:
     coef: float = bounded(**TERM_COEF)
-    estimator: Literal[KL_ESTIMATORS]
+    estimator: Literal[KL_ESTIMATORS.names()]
     reference: str  # initial | rollouts | a model path
 
 
 @dataclass
 class CorrectionConfig:
-    mode: Literal[CORRECTION_MODES]
-    level: Literal[CORRECTION_LEVELS]
+    mode: Literal[CORRECTION_MODES.names()]
+    level: Literal[CORRECTION_LEVELS.names()]
     low: float = bounded(gt=0)
     high: float = bounded(gt=0)
 
 
 @dataclass
 class AggregationConfig:
-    name: Literal[AGGREGATIONS]
+    name: Literal[AGGREGATIONS.names()]
     divisor: Optional[float] = bounded(**DIVISOR)
 
 

@@ -44,6 +44,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # The files a local tokenizer directory holds one of; without any, transformers would build an empty
 # tokenizer from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+NO_PROMPT_FILES = "task.paths: give the prompt files, JSON Lines or Parquet (task.paths=[train.jsonl])"
 
 
 class HFTokenizer:
@@ -127,7 +128,9 @@ class PromptsTask:
 
     The held-out split, returned by `eval_prompts`, is the records of ``eval_paths``, or with none
     the fraction ``eval_fraction`` of the records of ``paths`` chosen by a shuffle seeded by ``seed``
-    (at least one record when the fraction is above 0). ``tokenizer`` is a model directory (by
+    (at least one record when the fraction is above 0). A task to evaluate only needs
+    ``eval_paths``; one to train on needs ``paths`` outside them (`training_problems`, a config rule
+    of the training commands). ``tokenizer`` is a model directory (by
     default the model's, ``model.path``); ``chat_template``, ``system_prompt``: see the module.
     A prompt of more than ``max_prompt_tokens`` tokens is an error. ``rewards`` lists reward terms
     (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone).
@@ -135,7 +138,7 @@ class PromptsTask:
 
     def __init__(
         self,
-        paths: Any,
+        paths: Any = (),
         *,
         eval_paths: Any = (),
         eval_fraction: float = 0.0,
@@ -148,8 +151,8 @@ class PromptsTask:
         rewards: Any = None,
     ) -> None:
         patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
-        if not patterns:
-            raise UserError("task.paths: give the prompt files, JSON Lines or Parquet (task.paths=[train.jsonl])")
+        if not patterns and not eval_patterns:
+            raise UserError(NO_PROMPT_FILES)
         if not (_is_number(eval_fraction) and 0 <= eval_fraction < 1):
             raise UserError(f"task.eval_fraction: must be a number in [0, 1), got {eval_fraction!r}")
         if eval_patterns and eval_fraction:
@@ -172,12 +175,8 @@ class PromptsTask:
         self.max_prompt_tokens = max_prompt_tokens
 
         files, eval_files = _files(patterns, "task.paths"), _files(eval_patterns, "task.eval_paths")
-        both = {f.resolve() for f in files} & {f.resolve() for f in eval_files}
-        if both:
-            raise UserError(f"task.eval_paths: {sorted(map(str, both))[0]} is in task.paths too; "
-                            "held-out prompts must not be trained on")
         problems: list[str] = []
-        train = self._read(files, "task.paths", problems)
+        train = self._read(files, "task.paths", problems) if files else []
         held_out = self._read(eval_files, "task.eval_paths", problems) if eval_files else []
         if problems:
             lines = [f"task: {len(problems)} problems in the prompt files:"]
@@ -197,6 +196,23 @@ class PromptsTask:
             train = [p for i, p in enumerate(train) if i not in chosen]
         self.train = train
         self.held_out = held_out
+
+    @staticmethod
+    def training_problems(paths: Any, eval_paths: Any) -> list[str]:
+        """What keeps a task of these ``paths`` and ``eval_paths`` from being trained on: no prompt
+        files, or held-out files among them. Files that cannot be found are left to the task's build."""
+        try:
+            patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
+            files, eval_files = _files(patterns, "task.paths"), _files(eval_patterns, "task.eval_paths")
+        except UserError:
+            return []
+        if not files:
+            return [NO_PROMPT_FILES]
+        both = {f.resolve() for f in files} & {f.resolve() for f in eval_files}
+        if both:
+            return [f"task.eval_paths: {sorted(map(str, both))[0]} is in task.paths too; "
+                    "held-out prompts must not be trained on"]
+        return []
 
     def _read(self, files: list[Path], key: str, problems: list[str]) -> list[Prompt]:
         """The prompts of every record of ``files``; each bad record (or unreadable file) adds a
@@ -259,6 +275,8 @@ class PromptsTask:
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
         """``n`` training prompts drawn with ``rng``: all different while ``n`` allows."""
+        if not self.train:
+            raise UserError(NO_PROMPT_FILES)
         picks: list[int] = []
         while len(picks) < n:
             picks += rng.sample(range(len(self.train)), min(n - len(picks), len(self.train)))

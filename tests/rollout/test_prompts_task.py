@@ -18,13 +18,13 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from factories import make_arithmetic_dataset, make_tiny_qwen2, make_tokenizer, write_jsonl
 from rlcli.conf import build_target
-from rlcli.conf.validate import validate_config
+from rlcli.conf.validate import ConfigError, validate_config
 from rlcli.errors import UserError
 from rlcli.rollout.prompts import PromptsTask
 from rlcli.rollout.sampler import HFSampler, sample_completions
 from rlcli.rollout.samplers import build_sampler
 from rlcli.train import train
-from train_helpers import compose_train_config
+from train_helpers import compose_train_config, run_rlcli
 
 SYSTEM = "Add the numbers."
 
@@ -161,12 +161,55 @@ def test_eval_paths_are_the_held_out_split(tmp_path, tokenizer_dir):
     assert len(task.train) == 6
     assert [p.answer for p in task.eval_prompts()] == [r["answer"] for r in pq.read_table(eval_path).to_pylist()]
     assert all(p.text.startswith("<|im_start|>user\n") for p in task.eval_prompts())
-    with pytest.raises(UserError, match=r"task.eval_paths: .*train.jsonl is in task.paths too"):
-        task_of(tokenizer_dir, [train_path], eval_paths=[str(tmp_path / "*.jsonl")])
+    assert PromptsTask.training_problems([str(train_path)], [str(tmp_path / "*.jsonl")]) == [
+        f"task.eval_paths: {train_path} is in task.paths too; held-out prompts must not be trained on"]
     with pytest.raises(UserError, match="task.eval_fraction: .*not both"):
         task_of(tokenizer_dir, [train_path], eval_paths=[str(eval_path)], eval_fraction=0.5)
     with pytest.raises(UserError, match="leaves none to train on"):
         task_of(tokenizer_dir, [train_path], eval_fraction=0.95)
+
+
+def test_training_on_held_out_prompts_is_a_config_error_and_evaluating_them_is_not(tmp_path, tokenizer_dir):
+    data = make_arithmetic_dataset(tmp_path / "a.jsonl", 4, seed=0)
+    overrides = ["task=prompts", f"task.tokenizer={tokenizer_dir}", f"task.paths=[{data}]", f"task.eval_paths=[{data}]"]
+    for command in ("train", "sample", "loop"):
+        extra = ["data=stream", "data.url=redis://127.0.0.1:1/0"] if command != "train" else []
+        with pytest.raises(ConfigError) as caught:
+            validate_config(compose_train_config([*overrides, *extra, "optimizer.lr=0"]), command=command)
+        assert f"task.eval_paths: {data} is in task.paths too; held-out prompts must not be trained on" in \
+            caught.value.problems, command
+        assert any(p.startswith("optimizer.lr") for p in caught.value.problems)
+    cfg = validate_config(compose_train_config(overrides), command="eval")
+    assert [p.answer for p in build_target(cfg.task, "task").eval_prompts()] == [
+        json.loads(line)["answer"] for line in data.read_text().splitlines()]
+
+
+def test_training_needs_prompt_files_and_evaluation_the_held_out_ones(tmp_path, tokenizer_dir):
+    data = make_arithmetic_dataset(tmp_path / "a.jsonl", 4, seed=0)
+    only_eval = ["task=prompts", f"task.tokenizer={tokenizer_dir}", f"task.eval_paths=[{data}]"]
+    with pytest.raises(ConfigError) as caught:
+        validate_config(compose_train_config(only_eval))
+    assert any(p.startswith("task.paths: give the prompt files") for p in caught.value.problems)
+    task = build_target(validate_config(compose_train_config(only_eval), command="eval").task, "task")
+    assert len(task.eval_prompts()) == 4 and task.train == []
+    with pytest.raises(UserError, match="task.paths: give the prompt files"):
+        task.sample_prompts(random.Random(0), 2)
+
+
+def test_rlcli_eval_evaluates_the_eval_paths_of_task_prompts(tmp_path):
+    """`rlcli eval EXPORT task=prompts task.eval_paths=[f]` needs no training prompts; with task.paths the same
+    file it evaluates it all the same (eval trains nothing)."""
+    model_dir = make_tiny_qwen2(tmp_path / "model")
+    data = make_arithmetic_dataset(tmp_path / "test.jsonl", 3, seed=0)
+    for name, extra in (("eval_paths", []), ("both", [f"task.paths=[{data}]"])):
+        run_dir = tmp_path / name
+        result = run_rlcli(["eval", str(model_dir), "task=prompts", f"task.eval_paths=[{data}]", *extra,
+                            "eval.samples=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads((run_dir / "eval.json").read_text())
+        assert report["prompts"] == 3 and report["samples"] == 2
+        assert [row["answer"] for row in report["rows"]] == [
+            json.loads(line)["answer"] for line in data.read_text().splitlines()]
 
 
 def test_broken_records_are_all_reported_in_one_error_by_file_and_line(tmp_path, tokenizer_dir):

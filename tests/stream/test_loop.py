@@ -50,6 +50,17 @@ def test_config_error_exits_2_before_starting_anything(tmp_path, args, message):
     assert not {"redis", "sampler-0"} & set(started)
 
 
+def test_a_sampler_temperature_apart_from_the_loss_temperature_exits_2_at_once(tmp_path):
+    """The samplers would push records at 0.7 that the trainer (loss.temperature=1.0) rejects, for ever."""
+    started = time.monotonic()
+    process = start_loop(["rollout.temperature=0.7", "trainer.max_steps=3", "hydra.run.dir=run"], tmp_path)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert "rollout.temperature: 0.7 differs from loss.temperature=1.0" in output and "Traceback" not in output
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "run" / "redis").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("to_group", [False, True], ids=["loop", "terminal"])
 def test_ctrl_c_stops_every_process_and_exits_130(tmp_path, to_group):

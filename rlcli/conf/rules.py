@@ -1,0 +1,235 @@
+"""rlcli's config rules: combinations of typed fields that the schema alone cannot express (SPEC §4).
+
+A rule reads the typed config of one command and yields a ``"key: what is wrong"`` line for each
+problem. It names the top-level keys it reads (skipped while one of them has a problem of its own)
+and the commands it holds for: `TRAINING` for what only a training run needs, all of `COMMANDS`
+for what evaluating needs too. The data kind's own rules (``DataKind.check_config``) run with
+those of a training command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import PurePath
+
+from rlcli.conf.machine import machine_problems
+from rlcli.conf.schema import StreamDataConfig, TrainConfig
+from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
+
+COMMANDS = ("train", "sample", "loop", "eval")
+TRAINING = ("train", "sample", "loop")  # the commands of a training run, which share its config
+SAMPLERS = ("sample", "loop")  # the commands that start rlcli sample's sampler
+
+
+@dataclass(frozen=True)
+class Rule:
+    reads: tuple[str, ...]  # the top-level keys it reads
+    commands: tuple[str, ...]  # the commands it holds for
+    check: Callable[[TrainConfig, str], Iterator[str]]
+
+
+RULES: list[Rule] = []
+
+
+def rule(*reads: str, commands: tuple[str, ...] = COMMANDS):
+    """Decorator: add a ``check(cfg, command)`` generator of problems to `RULES`."""
+
+    def add(check: Callable[[TrainConfig, str], Iterator[str]]):
+        RULES.append(Rule(reads, commands, check))
+        return check
+
+    return add
+
+
+def rule_problems(cfg: TrainConfig, command: str, invalid: set[str]) -> list[str]:
+    """The problems of ``cfg`` under every rule of ``command`` whose keys have none in ``invalid``
+    (the keys that broke the schema: their fields in ``cfg`` are None)."""
+    problems = [p for r in RULES if command in r.commands and not invalid.intersection(r.reads)
+                for p in r.check(cfg, command)]
+    kind = DATA_KINDS.get(cfg.data.kind) if "data" not in invalid else None
+    if kind is not None and command in TRAINING and not invalid.intersection(kind.checks_read):
+        problems += kind.check_config(cfg, command)
+    return problems
+
+
+@rule("data")
+def data_groups(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """The groups that only some data kinds read are left out with the others."""
+    kind = DATA_KINDS[cfg.data.kind]
+    for group in GROUPS_OF_DATA_KINDS:
+        if getattr(cfg, group) is not None and group not in kind.groups:
+            users = [name for name, k in DATA_KINDS.items() if group in k.groups]
+            yield f"{group}: only used with data={'|'.join(users)}"
+
+
+@rule("data", "rollout", "loss", commands=TRAINING)
+def sampler_temperature(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """The trainer scores tokens at the temperature they were sampled at: the trainer's own sampler
+    (data=generate) and `rlcli sample`'s (sample, loop) sample at loss.temperature."""
+    if cfg.rollout is None or not (cfg.data.kind == "generate" or command in SAMPLERS):
+        return
+    allowed = isinstance(cfg.data, StreamDataConfig) and cfg.data.allow_temperature_mismatch
+    sampled, scored = cfg.rollout.temperature, cfg.loss.temperature
+    if sampled != scored and not allowed:
+        yield (f"rollout.temperature: {sampled} differs from loss.temperature={scored}; the trainer must score "
+               "tokens at the sampler's temperature (set loss.temperature alone: rollout.temperature follows it)")
+
+
+@rule("rollout")
+def rollout_stop(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """Stop strings that can end a completion after its first token, and ids that can be tokens (the
+    model's vocabulary bounds them when the sampler is built)."""
+    if cfg.rollout is None:
+        return
+    if "" in cfg.rollout.stop:
+        yield "rollout.stop: an empty stop string would end every completion at its first token"
+    negative = [i for i in cfg.rollout.stop if not isinstance(i, str) and i < 0]
+    if negative:
+        yield f"rollout.stop: ids {negative} are negative; token ids count from 0"
+
+
+@rule("rollout")
+def vllm_options(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``rollout.vllm``: keyword arguments of vllm.LLM, without those rlcli sets."""
+    from rlcli.rollout.vllm_engine import OWNED_OPTIONS
+
+    if cfg.rollout is None or cfg.rollout.engine != "vllm":
+        return
+    options = cfg.rollout.vllm
+    if not isinstance(options, dict):
+        yield f"rollout.vllm: expected keyword arguments of vllm.LLM (a mapping), got {options!r}"
+        return
+    for key in sorted(set(options) & set(OWNED_OPTIONS)):
+        yield f"rollout.vllm.{key}: rlcli sets it ({OWNED_OPTIONS[key]}); remove it"
+
+
+@rule("rollout", "correction", commands=TRAINING)
+def vllm_truncation(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """vLLM's log-probs of truncated sampling are not the trainer's: only the mismatch correction weighs them."""
+    r = cfg.rollout
+    if r is None or r.engine != "vllm" or cfg.correction.mode != "none" or (r.top_p >= 1 and r.top_k == 0):
+        return
+    yield (f"rollout.top_p/top_k: vLLM's log-probs with top_p={r.top_p}, top_k={r.top_k} are those of the "
+           "truncated distribution, not the trainer's; turn on the mismatch correction "
+           "(correction.mode=truncate or mask) or sample without truncation")
+
+
+@rule("loss", "kl", "correction", "strategy", "data", commands=TRAINING)
+def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """What the KL penalty, the mismatch correction and the ratio's denominator need of each other."""
+    kl, correction = cfg.kl, cfg.correction
+    if correction.mode != "none" and cfg.loss.old_logprobs == "sampler":
+        yield (f"loss.old_logprobs: correction.mode={correction.mode} weighs the trainer's own "
+               "log-probs against the sampler's, so the ratio needs loss.old_logprobs=recompute")
+    if correction.low > correction.high:
+        yield f"correction.low: {correction.low:g} is above correction.high={correction.high:g}"
+    if kl.coef <= 0:
+        return
+    if kl.reference == "rollouts" and cfg.data.kind not in ("rollouts", "stream"):
+        yield "kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts or stream"
+    if kl.reference != "rollouts" and cfg.strategy.name in ("fsdp", "fsdp2"):
+        yield ("kl.reference: a reference model runs with strategy=auto or ddp; with fsdp/fsdp2 give "
+               "the rollouts' ref_logprobs (kl.reference=rollouts)")
+
+
+@rule("aggregation", commands=TRAINING)
+def aggregation_divisor(cfg: TrainConfig, command: str) -> Iterator[str]:
+    name, divisor = cfg.aggregation.name, cfg.aggregation.divisor
+    if name == "constant" and divisor is None:
+        yield ("aggregation.divisor: is required for aggregation=constant "
+               "(e.g. the maximum completion length, or 1 to normalise by documents)")
+    if name != "constant" and divisor is not None:
+        yield f"aggregation.divisor: only valid with aggregation=constant, not {name!r}"
+
+
+@rule("model", "trainer", commands=TRAINING)
+def mixed_precision_weights(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """Autocast computes from float32 weights (and float16 gradients break its steps)."""
+    precision = cfg.trainer.precision
+    if cfg.model.dtype == "float16" and precision.endswith("-mixed"):
+        yield (f"model.dtype: trainer.precision={precision} computes under autocast from float32 weights "
+               "(and float16 gradients break its steps); use model.dtype=float32")
+
+
+@rule("model")
+def tiny_attention_heads(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """The tiny Llama's attention: whole heads of an even size (rotary embeddings rotate pairs of dimensions)."""
+    if cfg.model.kind != "tiny":
+        return
+    hidden, heads = cfg.model.hidden_size, cfg.model.num_heads
+    if hidden % heads:
+        yield f"model.hidden_size: {hidden} is not a multiple of model.num_heads={heads}"
+    elif hidden // heads % 2:
+        yield (f"model.num_heads: {heads} heads of model.hidden_size={hidden} get {hidden // heads} "
+               "dimensions each; rotary position embeddings need an even number")
+
+
+@rule("logger", commands=TRAINING)
+def tensorboard_folder(cfg: TrainConfig, command: str) -> Iterator[str]:
+    tensorboard = cfg.logger.tensorboard
+    subdir = PurePath(tensorboard.subdir) if tensorboard is not None else None
+    if subdir is not None and (subdir.is_absolute() or ".." in subdir.parts):
+        yield f"logger.tensorboard.subdir: a folder inside the run directory, got {tensorboard.subdir!r}"
+
+
+@rule("trainer", "strategy", "model")
+def this_machine(cfg: TrainConfig, command: str) -> Iterator[str]:
+    yield from machine_problems(cfg.trainer, cfg.strategy, cfg.model)
+
+
+@rule("eval", "data", "strategy", "task", commands=("train", "loop"))
+def periodic_eval(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``eval.every`` samples the data kind's task with the whole policy on every rank."""
+    if cfg.eval.every == 0:
+        return
+    if cfg.task is None:
+        yield f"eval.every: evaluation needs a task (data=generate or stream), not data={cfg.data.kind}"
+    if cfg.strategy.name not in ("auto", "ddp"):
+        yield ("eval.every: every rank samples with the whole policy, so evaluation runs with "
+               f"strategy=auto or ddp, not {cfg.strategy.name}")
+
+
+@rule("task", commands=TRAINING)
+def prompts_to_train_on(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """A ``task=prompts`` run trains on prompt files, none of them held out (`PromptsTask.training_problems`)."""
+    import hydra.utils
+
+    from rlcli.rollout.prompts import PromptsTask
+
+    if cfg.task is None:
+        return
+    try:
+        cls = hydra.utils.get_class(cfg.task["_target_"])
+    except Exception:  # a function, or a target that does not import: building the task tells
+        return
+    if issubclass(cls, PromptsTask):
+        yield from PromptsTask.training_problems(cfg.task.get("paths"), cfg.task.get("eval_paths"))
+
+
+@rule("data", commands=("sample",))
+def sample_command(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.data.kind != "stream":
+        yield f"data: rlcli sample pushes into a stream (data=stream), not data={cfg.data.kind}"
+    elif cfg.data.url is None:
+        yield "data.url: rlcli sample needs the trainer's Redis server (data.url=redis://host:port/db)"
+
+
+@rule("data", "task", commands=SAMPLERS)
+def task_to_sample(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.data.kind == "stream" and cfg.task is None:
+        yield "task: rlcli sample needs a task to sample (task=reverse, or a _target_)"
+
+
+@rule("data", commands=("loop",))
+def loop_command(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.data.kind != "stream":
+        yield (f"data: rlcli loop runs samplers and a trainer around a stream (data=stream), "
+               f"not data={cfg.data.kind}")
+
+
+@rule("data", "task", "rollout", commands=("eval",))
+def eval_command(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.task is None or cfg.rollout is None:
+        yield (f"task: rlcli eval needs a task and its rollout options (data=generate or stream, the "
+               f"default), not data={cfg.data.kind}")
