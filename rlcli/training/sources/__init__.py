@@ -2,11 +2,11 @@
 
 A data kind is a class registered in `DATA_KINDS` (``@DATA_KINDS.register(kind)``), named after its
 ``data.kind`` (`RolloutsKind`, `GenerateKind`, `StreamKind`), and built from the validated config and
-the run directory. It checks its own config rules (``check_config``, on the composed config, reporting
-with the others), names the top-level groups it reads besides ``data`` (``groups``), tells the
-vocabulary a tiny model should get when ``model.vocab_size`` is null (``default_vocab_size``), and makes
-each rank's `StepSource` (``source_factory(policy)``). Only the kinds that generate with the model keep
-the policy.
+the run directory. It checks its own config rules (``check_config``, on the typed config of a training
+command, with the others, once the keys of ``checks_read`` are valid), names the top-level groups it
+reads besides ``data`` (``groups``), tells the vocabulary a tiny model should get when
+``model.vocab_size`` is null (``default_vocab_size``), and makes each rank's `StepSource`
+(``source_factory(policy)``). Only the kinds that generate with the model keep the policy.
 """
 
 from __future__ import annotations
