@@ -148,18 +148,30 @@ def test_a_head_size_that_vllm_cannot_run_on_cpu_is_a_user_error(engine):
         VLLMEngine.for_policy(tiny_policy(num_heads=4), OPTIONS)
 
 
-def test_eval_with_rollout_engine_vllm_samples_with_vllm(engine, tmp_path):
-    """`rlcli eval MODEL_DIR rollout.engine=vllm` (in this process): its rows are what a `VLLMSampler` of the
-    same weights draws with the same seed, not what the built-in sampler draws."""
+def test_eval_with_rollout_engine_vllm_samples_with_vllm(engine, tmp_path, monkeypatch):
+    """`rlcli eval MODEL_DIR rollout.engine=vllm` (in this process): the sampler factory builds its engine for
+    the model (here the module's engine, given the model's weights: a second engine in one process would
+    tear down the first's process groups), and its rows are what a `VLLMSampler` of the same weights draws
+    with the same seed, not what the built-in sampler draws."""
     from rlcli.eval import evaluate_model, model_overrides
     from rlcli.rollout.evaluate import eval_prompts, evaluate
     from rlcli.rollout.sampler import HFSampler
+    from rlcli.rollout.vllm_engine import VLLMEngine
 
+    built = []
+
+    def module_engine(policy, options):
+        built.append(type(policy).__name__)
+        engine.load_weights(policy.named_parameters())
+        return engine
+
+    monkeypatch.setattr(VLLMEngine, "for_policy", module_engine)
     policy = tiny_policy(seed=4)
     policy.save_pretrained(tmp_path / "model")
     cfg = compose_train_config([*model_overrides([str(tmp_path / "model")]), "rollout.engine=vllm",
                                 f"loss.temperature={TEMPERATURE}", "eval.prompts=4", "eval.samples=4"])
     report = json.loads(evaluate_model(cfg, tmp_path / "run").read_text())
+    assert built == [type(policy).__name__]
 
     def rows(sampler_):
         return evaluate(TASK, sampler_, eval_prompts(TASK, 4), samples=4, max_new_tokens=4, seed=0, batch_size=64).rows
