@@ -98,14 +98,14 @@ def load_config(cfg: DictConfig, command: str = "train") -> tuple[DictConfig, Tr
         raise ValueError(f"command must be one of {COMMANDS}, got {command!r}")
     node = resolve_config(cfg)
     problems = typecheck.check(node, TrainConfig) + _loss_option_problems(node) + untrusted_targets(node)
-    invalid = {_top_key(p) for p in problems}
+    invalid = {_top_key(p) for p in problems}  # their fields stay None: the rules that read them are skipped
     fields = typecheck.schema_fields(TrainConfig)
-    partial = TrainConfig(**{name: None if name in invalid else typecheck.typed(node.get(name), hint)
-                             for name, (hint, _) in fields.items()})
-    problems += rule_problems(partial, command, invalid)
+    typed = TrainConfig(**{name: None if name in invalid else typecheck.typed(node.get(name), hint)
+                           for name, (hint, _) in fields.items()})
+    problems += rule_problems(typed, command, invalid)
     if problems:
         raise ConfigError(problems)
-    return node, partial
+    return node, typed
 
 
 def validate_config(cfg: DictConfig, command: str = "train") -> TrainConfig:
