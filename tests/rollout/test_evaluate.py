@@ -65,6 +65,7 @@ class ScriptedSampler:
 
     temperature = 1.0
     vocab_size = 5
+    sync_seconds = None
 
     def __init__(self, task: LetterTask) -> None:
         self.task = task

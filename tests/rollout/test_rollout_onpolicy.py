@@ -54,6 +54,7 @@ class FixedSampler:
 
     temperature = 0.6
     vocab_size = 10
+    sync_seconds = None
     # rewards on a 2-character answer whatever the prompt: right length and eos, eos only, neither
     GROUP = [
         Completion(ids=[JUNK, JUNK, EOS], logprobs=[-0.5, -1.5, 1e-7], stopped=True),  # reward 0.4
