@@ -77,9 +77,10 @@ class VLLMEngines:
     """`VLLMSampler` on in-process vLLM engines with the ``rollout.vllm`` options.
 
     A policy's engine is built with its first sampler and serves every later sampler of that policy in
-    this process (training's rollouts and ``eval.every`` share one); each of its samplers loads the
-    policy's weights before it samples. Checkpoints are loaded one after another into one engine of
-    this object's, built with the first and freed by `close`.
+    this process (training's rollouts and ``eval.every`` share one: a second in-process engine would tear
+    down the first one's process groups); each of its samplers loads the policy's weights before it
+    samples. Checkpoints are loaded one after another into one engine of this object's, built with the
+    first and freed by `close`.
     """
 
     _of_policies: weakref.WeakKeyDictionary[torch.nn.Module, VLLMEngine] = weakref.WeakKeyDictionary()
