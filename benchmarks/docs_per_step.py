@@ -2,7 +2,7 @@
 against a static step over the same micro-batches, on 2 CPU processes over gloo.
 
 Each process holds its share of synthetic rollouts in a `DocumentStream`. For each mode it runs
-the step preparation of the trainer (`collect_step` + `plan_step`) and, to put the overhead in
+the step preparation of the trainer (`collect_batch` + `plan_update`) and, to put the overhead in
 scale, the forward and backward of the tiny default model over the step's micro-batches. Both
 modes see the same micro-batches: the static step takes `micro_batches` per process, the
 document-target step is sized so that it takes the same number.
@@ -40,14 +40,15 @@ def _rollouts(count: int):
 
 
 def _time_mode(stream, scorer, *, steps, micro_batches, docs_per_step, with_model):
-    from rlcli.training.step import collect_step, plan_step
+    from rlcli.training.collect import collect_batch
+    from rlcli.training.plan import plan_update
 
     prepare, total = [], []
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
-        step = collect_step(stream, accumulate_microbatches=micro_batches, docs_per_step=docs_per_step, exact=False)
-        plan_step(step.micro_batches, torch.device("cpu"))
+        step = collect_batch(stream, accumulate_microbatches=micro_batches, docs_per_step=docs_per_step, exact=False)
+        plan_update(step.micro_batches, torch.device("cpu"))
         prepared = time.perf_counter()
         if with_model:
             for batch in step.micro_batches:
@@ -65,8 +66,8 @@ def _worker(rank: int, args, port: int, results) -> None:
     from rlcli.data.document_stream import DocumentStream
     from rlcli.model.policy import build_policy
     from rlcli.model.scorer import TokenScorer
-
     from rlcli.modules import HeadSpec
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)

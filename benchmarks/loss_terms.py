@@ -61,7 +61,7 @@ def run(args) -> dict:
 
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.old_logprobs, mb.advantages,
+    rows = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
                                     mb.mask, mb.document_index)]
             for mb in pack_documents(_rollouts(args), args.max_tokens)]
     model, attention = _model(args, device)

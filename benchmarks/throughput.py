@@ -133,7 +133,7 @@ def run(args) -> dict:
     rollouts = _rollouts(args)
     real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     packed = [mb for mb in pack_documents(rollouts, args.max_tokens)]
-    packed = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.old_logprobs, mb.advantages,
+    packed = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
                                       mb.mask, mb.document_index)] for mb in packed]
     batch_size = args.batch_size or max(1, round(len(rollouts) / len(packed)))
     padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]

@@ -1,4 +1,4 @@
-"""The one place that turns a validated config into objects: policy, data, module, trainer."""
+"""The one place that turns a validated config into objects: policy, data, module, callbacks, trainer."""
 
 from __future__ import annotations
 
@@ -13,23 +13,26 @@ from omegaconf import DictConfig
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.checkpoint_io import RunDirCheckpointIO
 from rlcli.callbacks.console import RichConsole
+from rlcli.callbacks.documents import DocumentsLog
 from rlcli.callbacks.evaluate import PeriodicEval, build_periodic_eval
+from rlcli.callbacks.metrics import LogMetrics
+from rlcli.callbacks.off_policy import OffPolicyWarning
 from rlcli.callbacks.preemption import StopOnSignal
+from rlcli.callbacks.publish import WeightPublisher
 from rlcli.callbacks.resume import RunIdentity
 from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
-from rlcli.loggers.documents import DocumentsLog
 from rlcli.model.policy import build_policy
+from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.module import PolicyModule
 from rlcli.training.optim import build_optimizer
-from rlcli.training.publish import WeightPublisher
 from rlcli.training.sources import DATA_KINDS
 from rlcli.training.strategy import build_strategy
 
 
-def build_callbacks(specs: list[dict]) -> list[L.Callback]:
+def build_user_callbacks(specs: list[dict]) -> list[L.Callback]:
     """The ``callbacks`` list of the config: each a trusted ``_target_`` and its arguments."""
     callbacks = []
     for i, spec in enumerate(specs):
@@ -40,9 +43,22 @@ def build_callbacks(specs: list[dict]) -> list[L.Callback]:
     return callbacks
 
 
-def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, run: RunIdentity, strategy,
-                  evaluation: PeriodicEval | None = None) -> L.Trainer:
+def build_callbacks(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, run: RunIdentity,
+                    evaluation: PeriodicEval | None) -> list[L.Callback]:
+    """The run's callbacks, in the order Lightning calls them: the step's row and documents are written
+    before its checkpoint; the weights are published after every other callback, at the start and the
+    end of training as within a step."""
     checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every, run)
+    publisher = build_publisher(cfg, run_dir)
+    return [
+        LogMetrics(), DocumentsLog(run_dir / "documents.jsonl"), OffPolicyWarning(cfg.loss.temperature),
+        checkpoint, StopOnSignal(checkpoint), RichConsole(resolved, run_dir), *([evaluation] if evaluation else []),
+        *build_user_callbacks(cfg.callbacks), *([publisher] if publisher else []),
+    ]
+
+
+def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strategy,
+                  callbacks: list[L.Callback]) -> L.Trainer:
     return L.Trainer(
         max_steps=cfg.trainer.max_steps,
         accelerator=cfg.trainer.accelerator,
@@ -52,8 +68,7 @@ def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, run: Ru
         precision=cfg.trainer.precision,
         plugins=[RunDirCheckpointIO()],
         logger=build_loggers(cfg.logger, resolved, run_dir),
-        callbacks=[checkpoint, StopOnSignal(checkpoint), RichConsole(resolved, run_dir),
-                   *([evaluation] if evaluation else []), *build_callbacks(cfg.callbacks)],
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -102,10 +117,11 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
+    loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction)
     module = PolicyModule(
-        policy, cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction, cfg.trainer,
-        partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps), data.source_factory(policy),
-        seed=cfg.seed, max_tokens=cfg.data.max_tokens, reference=build_reference(cfg, policy), shard=shard,
-        documents_log=DocumentsLog(run_dir / "documents.jsonl"), publisher=build_publisher(cfg, run_dir),
+        policy, loss, cfg.trainer, partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),
+        data.source_factory(policy), seed=cfg.seed, max_tokens=cfg.data.max_tokens,
+        reference=build_reference(cfg, policy), shard=shard,
     )
-    return module, build_trainer(cfg, resolved, run_dir, run, strategy, evaluation)
+    callbacks = build_callbacks(cfg, resolved, run_dir, run, evaluation)
+    return module, build_trainer(cfg, resolved, run_dir, strategy, callbacks)

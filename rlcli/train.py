@@ -56,6 +56,7 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from rlcli.build import build_training
+    from rlcli.callbacks.preemption import stop_code
     from rlcli.callbacks.resume import resume_point
     from rlcli.loggers import finish_loggers
     from rlcli.processes import saying_what_it_waits_for
@@ -72,7 +73,7 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     try:
         with saying_what_it_waits_for(trainer):
             trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
-        if module.preempted:
+        if stop_code(trainer) is not None:
             if trainer.is_global_zero:
                 log.warning("stopped by a signal after step %d; checkpoint saved, continue with resume=auto",
                             module.steps_done)

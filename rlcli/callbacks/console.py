@@ -12,6 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
+from rlcli.callbacks.metrics import step_row
+from rlcli.callbacks.preemption import stop_code
+
 # metric -> True if higher is better (the summary's "best" column)
 SUMMARY_METRICS = {"loss": False, "reward": True, "accuracy": True, "kl_new_old": False}
 
@@ -30,7 +33,7 @@ def config_tree(cfg: DictConfig) -> Tree:
 
 
 class RichConsole(L.Callback):
-    """Prints on global rank 0 only. Reads the step metrics from ``pl_module.last_metrics``."""
+    """Prints on global rank 0 only. Reads each step's metrics from the ``outputs`` of its training step."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, console: Console | None = None) -> None:
         self.cfg = cfg
@@ -59,10 +62,8 @@ class RichConsole(L.Callback):
         self._last_time = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = getattr(pl_module, "last_metrics", None)
-        if not trainer.is_global_zero or self.progress is None or not metrics:
-            return
-        if metrics.get("step") != pl_module.steps_done:
+        metrics = step_row(outputs)
+        if not trainer.is_global_zero or self.progress is None or metrics is None:
             return
         now = time.perf_counter()
         tokens_per_second = metrics["num_tokens"] / max(now - self._last_time, 1e-9)
@@ -90,5 +91,5 @@ class RichConsole(L.Callback):
                 table.add_row(name, f"{values[-1]:.4f}", f"{best:.4f}")
         self.console.print(table)
         self.console.print(f"metrics: {self.run_dir / 'metrics.csv'}\ncheckpoints: {self.run_dir / 'checkpoints'}")
-        if not pl_module.preempted:  # a run a signal stopped is not exported
+        if stop_code(trainer) is None:  # a run a signal stopped is not exported
             self.console.print(f"export (Hugging Face): {self.run_dir / 'export'}")

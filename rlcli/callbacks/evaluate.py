@@ -22,8 +22,8 @@ class PeriodicEval(L.Callback):
     ``max_new_tokens``; ``prompts_per_step x group_size`` sequences per sampler call) with
     ``rollout.engine``'s sampler (`rlcli.rollout.samplers.build_sampler`: with vLLM, the engine training's
     rollouts sample with, if they do). The metrics join that step's row as ``eval/<metric>``: the module
-    asks for them (`step_metrics`) after the step's update and before it logs the row, so a step keeps
-    one row.
+    asks for them (`step_metrics`, a `rlcli.callbacks.metrics.StepMetricsCallback`) after the step's
+    update and before it returns the row, so a step keeps one row.
 
     The sampler reads the policy without gradients (the built-in one in eval mode, then gives it its mode
     back). Every rank holds the whole policy (strategy=auto or ddp; sharded strategies are refused by the config):

@@ -20,11 +20,6 @@ class StopOnSignal(L.Callback):
         self.checkpoint = checkpoint
         self.exit_code: int | None = None  # the ranks' agreed code once a signal stopped training
 
-    @property
-    def preempted(self) -> bool:
-        """Training stopped early because a rank received a signal."""
-        return self.exit_code is not None
-
     def setup(self, trainer, pl_module, stage) -> None:
         # Lightning's own SIGTERM handler would stop without a checkpoint, and it runs a collective inside
         # the handler; its SLURM auto-requeue would be a second requeue beside submitit's: neither is ever
@@ -50,5 +45,6 @@ class StopOnSignal(L.Callback):
 
 
 def stop_code(trainer) -> int | None:
-    """The exit code of a run that a signal stopped (the same on every rank); None if none did."""
+    """The exit code of a run that a signal stopped (the same on every rank); None if none did: the one
+    answer to "was the run stopped by a signal"."""
     return next((c.exit_code for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)

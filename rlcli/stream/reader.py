@@ -1,7 +1,7 @@
 """One trainer process's reader of the rollout stream: a consumer of the trainer's consumer group.
 
 It hands out validated documents packed into micro-batches like `DocumentStream` (a
-`MicroBatchSource`, so `collect_step` builds static and ``docs_per_step`` steps from it unchanged)
+`MicroBatchSource`, so `collect_batch` builds static and ``docs_per_step`` batches from it unchanged)
 and keeps the books that make training exactly-once across crashes:
 
 - an entry read from Redis stays *pending* in the group until `acknowledge` is called for it, which
@@ -93,7 +93,7 @@ class StreamReader:
             if "BUSYGROUP" not in str(err):
                 raise
 
-    # -- the DocumentStream interface used by collect_step
+    # -- the DocumentStream interface used by collect_batch
 
     def next_micro_batch(self) -> MicroBatch | None:
         """The next documents that fit in ``max_tokens`` (`fill_micro_batch`); waits for the first one (None

@@ -1,11 +1,11 @@
 """Several optimizer updates per collected batch: ``trainer.minibatches`` × ``trainer.batch_epochs``.
 
-A batch (a generated step, a ``docs_per_step`` step or a static step) is split into ``minibatches``
-parts of whole groups, so that a group never spans two updates and ``prompt_mean`` stays exact on
-every rank: groups are numbered the same on every rank, a seeded permutation of them (new for every
-epoch) is cut into ``minibatches`` runs of nearly equal size, and each rank packs its documents of a
-run into micro-batches. One part is one update. With one mini-batch the batch's own micro-batches
-are the update, in every epoch.
+A batch (what a step source yields: generated rollouts, ``docs_per_step`` documents or a number of
+micro-batches) is split into ``minibatches`` parts of whole groups, so that a group never spans two
+updates and ``prompt_mean`` stays exact on every rank: groups are numbered the same on every rank, a
+seeded permutation of them (new for every epoch) is cut into ``minibatches`` runs of nearly equal
+size, and each rank packs its documents of a run into micro-batches. One part is one update. With
+one mini-batch the batch's own micro-batches are the update, in every epoch.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from rlcli.training import distributed
 
 
 @dataclass
-class Update:
-    """This rank's micro-batches of one optimizer update, and what the metrics row reports of its batch."""
+class UpdatePlan:
+    """What one optimizer update trains: this rank's micro-batches, and what the metrics row reports of
+    its batch."""
 
     micro_batches: list[MicroBatch]
-    stats: dict[str, float] = field(default_factory=dict)
-    carried_over: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # this rank's rollout statistics
+    carried_over: int | None = None  # documents given back by the batch's collection (docs_per_step exact mode)
 
 
 def _epoch_seed(seed: int, batch: int, epoch: int) -> int:
@@ -49,7 +50,7 @@ class BatchPlan:
     """The updates of one batch, in order: ``epochs`` passes over ``minibatches`` parts of it."""
 
     def __init__(self, micro_batches: list[MicroBatch], *, minibatches: int, epochs: int, seed: int, batch: int,
-                 max_tokens: int, stats: dict | None = None, carried_over: int = 0, done: int = 0) -> None:
+                 max_tokens: int, stats: dict | None = None, carried_over: int | None = None, done: int = 0) -> None:
         self.micro_batches = micro_batches
         self.minibatches = minibatches
         self.epochs = epochs
@@ -80,12 +81,13 @@ class BatchPlan:
         return [list(pack_documents([doc for doc in self.documents if runs[self.numbering[doc.group_id]] == part],
                                     self.max_tokens)) for part in range(self.minibatches)]
 
-    def next_update(self) -> Update:
+    def next_update(self) -> UpdatePlan:
         """The next update's micro-batches (on this rank: possibly none)."""
         epoch, part = divmod(self.done, self.minibatches)
         self.done += 1
-        carried = self.carried_over if self.done == 1 else 0  # reported once, with the batch's first update
-        return Update(self.parts(epoch)[part], self.stats, carried)
+        # reported once, with the batch's first update
+        carried = self.carried_over if self.done == 1 or self.carried_over is None else 0
+        return UpdatePlan(self.parts(epoch)[part], self.stats, carried)
 
     def fill(self, values: dict[int, dict[str, tuple[float, ...]]]) -> None:
         """Give documents more per-token values: ``values[id(doc)]`` holds ``{field: values}`` for the

@@ -11,23 +11,24 @@ import torch
 from omegaconf import DictConfig
 
 from rlcli.modules.registry import Registry
-from rlcli.training.step import CollectedStep
+from rlcli.training.collect import CollectedBatch
 
 if TYPE_CHECKING:
     from rlcli.conf.schema import TrainConfig
 
 
 class StepSource(ABC):
-    """One rank's supply of steps. ``next_step`` returns this rank's micro-batches of the next step
-    (an empty step on every rank ends the run); ``state_dict``/``load_state_dict`` hold what a
-    checkpoint needs to continue exactly; ``after_update(step)`` is called on every rank after each
-    training step (``step`` counts them as ``metrics.csv`` does: the policy's version), and
-    ``checkpoint_durable()`` once the checkpoint of the latest ``state_dict`` is safely on disk;
-    ``interrupt()`` when a signal stops the run."""
+    """One rank's supply of batches. ``next_batch`` returns this rank's micro-batches of the next batch
+    (an empty batch on every rank ends the run); a batch makes one or more training steps (optimizer
+    updates, `rlcli.training.batches`). ``state_dict``/``load_state_dict`` hold what a checkpoint needs
+    to continue exactly; ``after_update(step)`` is called on every rank after each training step
+    (``step`` counts them as ``metrics.csv`` does: the policy's version), and ``checkpoint_durable()``
+    once the checkpoint of the latest ``state_dict`` is safely on disk; ``interrupt()`` when a signal
+    stops the run."""
 
     @abstractmethod
-    def next_step(self, step: int, device: torch.device) -> CollectedStep:
-        """This rank's micro-batches of the next step; ``step`` steps came before it."""
+    def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
+        """This rank's micro-batches of the next batch; ``index`` batches came before it."""
 
     def state_dict(self) -> dict:
         return {}
@@ -46,7 +47,7 @@ class StepSource(ABC):
 
     def interrupt(self) -> None:
         """A signal asked the run to stop (called from the signal handler): a source that waits for
-        data stops waiting and ends the step with what it has. Nothing to do for one that never waits."""
+        data stops waiting and ends the batch with what it has. Nothing to do for one that never waits."""
         return None
 
 

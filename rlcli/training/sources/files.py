@@ -1,4 +1,4 @@
-"""``data=rollouts``: steps from rollout files (SPEC §7), a number of micro-batches or documents each."""
+"""``data=rollouts``: batches from rollout files (SPEC §7), a number of micro-batches or documents each."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from rlcli.data.readers import check_temperature, load_rollouts, write_rejection
 from rlcli.data.schema import Rollout
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.rollout.advantages import apply_advantage_estimator
+from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
-from rlcli.training.step import CollectedStep, collect_step
 
 log = logging.getLogger("rlcli")
 
 
 class RolloutFileSource(StepSource):
-    """This rank's share of the rollout files; a step is a number of micro-batches or documents."""
+    """This rank's share of the rollout files; a batch is a number of micro-batches or documents."""
 
     def __init__(self, stream: DocumentStream, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
         self.stream = stream
@@ -28,8 +28,8 @@ class RolloutFileSource(StepSource):
         self.docs_per_step = docs_per_step
         self.exact = exact
 
-    def next_step(self, step: int, device: torch.device) -> CollectedStep:
-        return collect_step(
+    def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
+        return collect_batch(
             self.stream, accumulate_microbatches=self.accumulate_microbatches,
             docs_per_step=self.docs_per_step, exact=self.exact, device=device,
         )

@@ -15,12 +15,12 @@ from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, computes_advantages, 
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
+from rlcli.training.collect import CollectedBatch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
-from rlcli.training.step import CollectedStep
 
 
 class OnPolicySource(StepSource):
-    """Each step samples fresh groups from the current policy (all of them form the step). With
+    """Each batch samples fresh groups from the current policy (all of them form the batch). With
     ``save_to`` the rollouts are also written there; the checkpoint holds how many, so a resumed run
     cuts the file back to them and a fresh one starts it anew: no record is written twice."""
 
@@ -30,8 +30,8 @@ class OnPolicySource(StepSource):
         self.save_to = save_to
         self.saved: int | None = None  # records written to save_to; None: not started yet
 
-    def next_step(self, step: int, device: torch.device) -> CollectedStep:
-        documents, stats = self.rollouts.generate(step)
+    def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
+        documents, stats = self.rollouts.generate(index)
         if self.rollouts.sampler.sync_seconds is not None:  # a colocated vLLM engine's
             stats["weight_sync_time"] = self.rollouts.sampler.sync_seconds
         if self.save_to is not None:
@@ -40,8 +40,8 @@ class OnPolicySource(StepSource):
                 self.saved = 0
             append_jsonl(documents, self.save_to)
             self.saved += len(documents)
-        return CollectedStep(list(pack_documents(documents, self.max_tokens)), stats=stats)
-    # prompts and samples derive from (seed, step, rank): nothing else to keep
+        return CollectedBatch(list(pack_documents(documents, self.max_tokens)), stats=stats)
+    # prompts and samples derive from (seed, batch index, rank): nothing else to keep
 
     def state_dict(self) -> dict:
         return {"saved": self.saved or 0}

@@ -1,7 +1,7 @@
-"""``data=stream``: steps from rollouts that samplers push into a Redis stream while the trainer trains.
+"""``data=stream``: batches from rollouts that samplers push into a Redis stream while the trainer trains.
 
-Each process reads through the trainer's consumer group (`rlcli.stream.reader.StreamReader`); a step
-is built by `collect_step` as for files (static, or ``docs_per_step``). The checkpoint holds the
+Each process reads through the trainer's consumer group (`rlcli.stream.reader.StreamReader`); a batch
+is collected by `collect_batch` as for files (static, or ``docs_per_step``). The checkpoint holds the
 entries trained since the last acknowledgement, and `checkpoint_durable` acknowledges them, so a
 killed trainer resumed with ``resume=auto`` trains every record exactly once.
 """
@@ -18,12 +18,12 @@ from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.stream.connection import connect
 from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
+from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
-from rlcli.training.step import CollectedStep, collect_step
 
 
 class StreamSource(StepSource):
-    """This process's steps from the stream, and the staleness and queue statistics of each."""
+    """This process's batches from the stream, and the staleness and queue statistics of each."""
 
     def __init__(self, reader: StreamReader, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
         self.reader = reader
@@ -32,9 +32,9 @@ class StreamSource(StepSource):
         self.exact = exact
         self._acknowledge_next: list[str] = []  # resolved entries in the checkpoint being written
 
-    def next_step(self, step: int, device: torch.device) -> CollectedStep:
+    def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
         reader = self.reader
-        collected = collect_step(reader, accumulate_microbatches=self.accumulate_microbatches,
+        collected = collect_batch(reader, accumulate_microbatches=self.accumulate_microbatches,
                                  docs_per_step=self.docs_per_step, exact=self.exact, device=device)
         documents = [doc for batch in collected.micro_batches for doc in batch.documents]
         reader.resolve(documents)

@@ -1,7 +1,9 @@
 """Weights back to the samplers: the policy in Hugging Face format at ``publish.dir/v<version>/``,
 announced in Redis at ``<stream>:weights`` as ``{version, path, documents_seen, final}``.
 
-The version is the number of training steps done (v0: the starting weights). Rank 0 writes under a
+The version is the number of training steps done: v0 the starting weights, at the start of training;
+every ``every`` steps after the update; the last at the end of training, announced ``final`` unless a
+signal stopped the run (its samplers wait for the resumed run). Rank 0 writes under a
 temporary name and renames, so a sampler never loads a half-written version; the policy is gathered
 from every shard first (a collective, so every rank calls `publish`). The newest ``keep`` are kept.
 Weights holding a NaN or an infinity are never published: `export_policy` refuses them on every rank.
@@ -14,6 +16,9 @@ import shutil
 import time
 from pathlib import Path
 
+import lightning as L
+
+from rlcli.callbacks.preemption import stop_code
 from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.training.export import export_policy
@@ -21,7 +26,10 @@ from rlcli.training.export import export_policy
 VERSION_DIR = re.compile(r"v(\d+)")
 
 
-class WeightPublisher:
+class WeightPublisher(L.Callback):
+    """Publishes the policy's weights as training goes (a `rlcli.callbacks.metrics.StepMetricsCallback`:
+    a step's ``weight_publish_time`` joins its row)."""
+
     def __init__(self, directory: Path, *, url: str, stream: str, every: int, keep: int, model_cfg) -> None:
         self.directory = Path(directory).absolute()
         self.url = url
@@ -32,8 +40,18 @@ class WeightPublisher:
         self.published: int | None = None  # the newest version published by this process
         self._conn = None
 
-    def due(self, version: int) -> bool:
-        return version % self.every == 0 and version != self.published
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.publish(pl_module, pl_module.steps_done)  # the weights samplers start from
+
+    def step_metrics(self, trainer, pl_module) -> dict[str, float]:
+        version = pl_module.steps_done
+        if version % self.every or version == self.published:
+            return {}
+        return {"weight_publish_time": self.publish(pl_module, version)}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # a run stopped by a signal continues later: its samplers keep waiting
+        self.publish(pl_module, pl_module.steps_done, final=stop_code(trainer) is None)
 
     def publish(self, module, version: int, *, final: bool = False) -> float:
         """Publish the module's policy as ``version`` (on every rank); returns the seconds it took."""
