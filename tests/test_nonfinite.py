@@ -103,8 +103,8 @@ def test_weights_that_are_not_finite_are_never_exported(tmp_path):
 def test_weights_that_are_not_finite_are_never_published(tmp_path):
     import torch
 
+    from rlcli.callbacks.publish import WeightPublisher
     from rlcli.errors import UserError
-    from rlcli.training.publish import WeightPublisher
 
     scorer = torch.nn.Linear(2, 2)
     with torch.no_grad():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from factories import rollout_record, write_jsonl
+from rlcli.callbacks.off_policy import warn_if_off_policy
 from rlcli.data.readers import load_rollouts
 from rlcli.train import train
-from rlcli.training.module import warn_if_off_policy
 from train_helpers import compose_train_config, run_rlcli
 
 

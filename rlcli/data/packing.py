@@ -24,20 +24,22 @@ class MicroBatch:
     A causal LM's logits at position ``i`` predict token ``i + 1``, so every per-position
     target describes the *next* token: ``labels[i]`` is token ``i + 1`` when that token is a
     completion token of the same document with ``completion_mask == 1``, else ``IGNORE_INDEX``;
-    ``old_logprobs[i]`` and ``advantages[i]`` belong to that label token (0 where there is none).
-    ``position_ids`` restart at 0 for every document. ``ref_logprobs`` and ``proximal_logprobs`` are
-    there (like ``old_logprobs``) when every document carries them, else ``None``.
+    ``sampler_logprobs[i]`` and ``advantages[i]`` belong to that label token (0 where there is none).
+    ``position_ids`` restart at 0 for every document. Log-probs are named by where they come from: the
+    sampler's (a record's ``old_logprobs``), the trainer's own at the start of the batch
+    (``proximal_logprobs``) and the reference policy's (a record's ``ref_logprobs``); the last two are
+    there when every document carries them, else ``None``.
     """
 
     input_ids: torch.Tensor  # [L] long
     position_ids: torch.Tensor  # [L] long
     labels: torch.Tensor  # [L] long
-    old_logprobs: torch.Tensor  # [L] float32
+    sampler_logprobs: torch.Tensor  # [L] float32
     advantages: torch.Tensor  # [L] float32
     mask: torch.Tensor  # [L] float32, 1.0 where labels >= 0
     document_index: torch.Tensor  # [L] long, 0-based document within this micro-batch
     documents: list[Rollout]
-    ref_logprobs: torch.Tensor | None = None  # [L] float32
+    reference_logprobs: torch.Tensor | None = None  # [L] float32
     proximal_logprobs: torch.Tensor | None = None  # [L] float32
 
     @property
@@ -54,7 +56,7 @@ class MicroBatch:
 
     def completion_values(self, values: torch.Tensor) -> list[tuple[float, ...]]:
         """``[L]`` values at the label positions -> one tuple per document, a value per completion token
-        (the inverse of how ``old_logprobs`` is laid out; 0 for tokens that are not trained on)."""
+        (the inverse of how ``sampler_logprobs`` is laid out; 0 for tokens that are not trained on)."""
         values = torch.where(self.mask > 0, values.detach().to("cpu", torch.float32), 0.0).tolist()
         out, start = [], 0
         for doc in self.documents:
@@ -115,12 +117,12 @@ def make_micro_batch(rollouts: Sequence[Rollout]) -> MicroBatch:
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         position_ids=torch.tensor(position_ids, dtype=torch.long),
         labels=labels_tensor,
-        old_logprobs=_label_values(rollouts, lambda doc: doc.old_logprobs),
+        sampler_logprobs=_label_values(rollouts, lambda doc: doc.old_logprobs),
         advantages=_label_values(rollouts, lambda doc: doc.advantages),
         mask=(labels_tensor >= 0).to(torch.float32),
         document_index=torch.tensor(document_index, dtype=torch.long),
         documents=list(rollouts),
-        ref_logprobs=_optional_label_values(rollouts, "ref_logprobs"),
+        reference_logprobs=_optional_label_values(rollouts, "ref_logprobs"),
         proximal_logprobs=_optional_label_values(rollouts, "proximal_logprobs"),
     )
 

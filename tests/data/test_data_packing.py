@@ -40,7 +40,7 @@ def test_micro_batch_tensors_exactly():
     # The last prompt position predicts the first completion token; a document's last token predicts nothing;
     # 42 is masked out.
     assert batch.labels.tolist() == [NO, NO, 21, 22, NO, 41, NO, 43, NO]
-    assert batch.old_logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2, 0, -0.3, 0, -0.5, 0])
+    assert batch.sampler_logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2, 0, -0.3, 0, -0.5, 0])
     assert batch.advantages.tolist() == [0, 0, 1, 2, 0, 3, 0, 5, 0]
     assert batch.mask.tolist() == [0, 0, 1, 1, 0, 1, 0, 1, 0]
     assert batch.document_index.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1]
@@ -52,16 +52,16 @@ def test_micro_batch_dtypes_and_shapes():
     batch = make_micro_batch([DOC_A, DOC_B])
     for name in ("input_ids", "position_ids", "labels", "document_index"):
         assert getattr(batch, name).dtype == torch.long
-    for name in ("old_logprobs", "advantages", "mask"):
+    for name in ("sampler_logprobs", "advantages", "mask"):
         assert getattr(batch, name).dtype == torch.float32
-    for name in ("input_ids", "position_ids", "labels", "old_logprobs", "advantages", "mask", "document_index"):
+    for name in ("input_ids", "position_ids", "labels", "sampler_logprobs", "advantages", "mask", "document_index"):
         assert getattr(batch, name).shape == (9,)
 
 
 def test_single_token_prompt_and_completion():
     batch = make_micro_batch([doc([5], [6], old=[-0.5], adv=[-2.0])])
     assert batch.labels.tolist() == [6, NO]
-    assert batch.old_logprobs.tolist() == [-0.5, 0.0]
+    assert batch.sampler_logprobs.tolist() == [-0.5, 0.0]
     assert batch.advantages.tolist() == [-2.0, 0.0]
 
 
@@ -87,10 +87,10 @@ def test_labels_are_the_next_completion_token_of_random_documents():
     assert torch.equal(batch.labels[here], batch.input_ids[here + 1])
     assert torch.equal(batch.document_index[here], batch.document_index[here + 1])
     kept = [(old, adv) for d in docs for keep, old, adv in zip(d.completion_mask, d.old_logprobs, d.advantages) if keep]
-    assert batch.old_logprobs[labelled].tolist() == pytest.approx([old for old, _ in kept])
+    assert batch.sampler_logprobs[labelled].tolist() == pytest.approx([old for old, _ in kept])
     assert batch.advantages[labelled].tolist() == pytest.approx([adv for _, adv in kept])
     assert batch.num_labelled == sum(d.num_labelled for d in docs) == len(kept)
-    assert torch.all(batch.old_logprobs[~labelled] == 0) and torch.all(batch.advantages[~labelled] == 0)
+    assert torch.all(batch.sampler_logprobs[~labelled] == 0) and torch.all(batch.advantages[~labelled] == 0)
 
 
 def test_group_index_maps_each_position_through_its_document():
@@ -152,7 +152,7 @@ def test_completion_values_invert_the_label_layout():
                dict(prompt_ids=[6], completion_ids=[7], old_logprobs=[-3.0], advantage=1.0)]
     docs = [validate_record(r, source=f"x:{i}", index=i, vocab_size=10) for i, r in enumerate(records)]
     batch = make_micro_batch(docs)
-    assert batch.completion_values(batch.old_logprobs) == [(-0.5, 0.0, -2.0), (-3.0,)]
+    assert batch.completion_values(batch.sampler_logprobs) == [(-0.5, 0.0, -2.0), (-3.0,)]
 
 
 class ListQueue:

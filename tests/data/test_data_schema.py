@@ -107,9 +107,9 @@ def test_micro_batches_carry_ref_logprobs_at_the_label_positions(record):
             validate(record(ref_logprobs=[-1.5, -2.0])).with_advantages([1.0, 1.0])]
     batch = make_micro_batch(docs)
     # prompt [1,2,3] + completion [4,5]: positions 2, 3 predict the completion; the second token is masked out
-    assert batch.ref_logprobs.tolist() == [0, 0, -0.25, 0, 0] + [0, 0, -1.5, -2.0, 0]
+    assert batch.reference_logprobs.tolist() == [0, 0, -0.25, 0, 0] + [0, 0, -1.5, -2.0, 0]
     assert batch.proximal_logprobs is None
-    assert make_micro_batch(docs[:1] + [validate(record()).with_advantages([1.0, 1.0])]).ref_logprobs is None
+    assert make_micro_batch(docs[:1] + [validate(record()).with_advantages([1.0, 1.0])]).reference_logprobs is None
 
 
 def test_log_probs_and_advantages_are_bounded_by_the_float32_range_they_are_trained_in(record):
@@ -130,7 +130,7 @@ def test_log_probs_and_advantages_are_bounded_by_the_float32_range_they_are_trai
     edge = validate(record(old_logprobs=[-FLOAT32_MAX, -1.0], ref_logprobs=[-1.0, -FLOAT32_MAX],
                            advantages=[FLOAT32_MAX, -FLOAT32_MAX]))
     batch = make_micro_batch([edge])
-    for tensor in (batch.old_logprobs, batch.ref_logprobs, batch.advantages):
+    for tensor in (batch.sampler_logprobs, batch.reference_logprobs, batch.advantages):
         assert tensor.dtype == torch.float32 and tensor.isfinite().all() and tensor.abs().max() == FLOAT32_MAX
     for field, value in [("old_logprobs", [-above, -1.0]), ("ref_logprobs", [-1.0, -above]),
                          ("advantages", [0.0, above]), ("advantage", -above)]:

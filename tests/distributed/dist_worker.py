@@ -19,7 +19,7 @@ import torch
 import rlcli.training.sources.files as file_sources
 from rlcli.train import train
 from rlcli.training import distributed
-from rlcli.training.step import collect_step
+from rlcli.training.collect import collect_batch
 from train_helpers import compose_train_config
 
 
@@ -27,12 +27,12 @@ def main(jobs_file: str, out_dir: str) -> None:
     out = Path(out_dir)
     steps: list[list[list[int]]] = []
 
-    def recording_collect_step(*args, **kwargs):
-        step = collect_step(*args, **kwargs)
-        steps.append([[doc.index for doc in batch.documents] for batch in step.micro_batches])
-        return step
+    def recording_collect_batch(*args, **kwargs):
+        collected = collect_batch(*args, **kwargs)
+        steps.append([[doc.index for doc in batch.documents] for batch in collected.micro_batches])
+        return collected
 
-    file_sources.collect_step = recording_collect_step
+    file_sources.collect_batch = recording_collect_batch
     for job in json.loads(Path(jobs_file).read_text()):
         steps.clear()
         started = time.perf_counter()
