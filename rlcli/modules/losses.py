@@ -37,7 +37,7 @@ _INDICES = ("document_index", "group_index")
 EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class LossInputs:
     """The per-token inputs of a loss besides the policy's own log-probs, all ``[N]`` over whole
     documents, each named by where it comes from. A loss reads only the fields it needs.

@@ -27,10 +27,12 @@ from rlcli.modules import (
     StepTotals,
     finalize_metrics,
     fused_micro_batch_loss,
+    losses,
     make_loss,
     micro_batch_loss,
     policy_loss,
 )
+from rlcli.modules.registry import Registry
 
 H, V = 8, 40
 
@@ -216,11 +218,13 @@ def _assert_metrics(metrics, expected):
 
 
 @pytest.fixture(params=[TokenReinforce, SequenceReinforce], ids=lambda cls: cls.name)
-def custom_loss(request):
-    """The loss class, registered for the test only."""
-    cls = LOSSES.register()(request.param)
-    yield cls
-    LOSSES._entries.pop(cls.name)  # a registry has no public removal: entries stay for a process's life
+def custom_loss(request, monkeypatch):
+    """The loss class, registered for the test only: in a copy of the registry that `make_loss` reads."""
+    registry = Registry(LOSSES.kind)
+    for name, cls in LOSSES.items():
+        registry.register(name)(cls)
+    monkeypatch.setattr(losses, "LOSSES", registry)
+    return registry.register()(request.param)
 
 
 @pytest.mark.parametrize(("aggregation", "divisor"), AGGREGATIONS)
