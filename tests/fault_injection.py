@@ -1,8 +1,9 @@
-"""Faults injected into `rlcli train` runs through the config's ``callbacks`` list (test code only).
+"""Faults injected into `rlcli train` runs through the config's ``callbacks`` list (test code only): the
+one place the tests' faults live.
 
-A test run adds e.g. ``allow_targets=[fault_injection]
-'callbacks=[{_target_: fault_injection.NanLossAt, step: 2, rank: 1}]'`` with this folder on
-``PYTHONPATH`` (`FAULTS_ENV`).
+A test run adds e.g. ``callbacks_override("NanLossAt", step=2, rank=1)``, that is ``allow_targets=[fault_injection]
+'callbacks=[{_target_: fault_injection.NanLossAt, step: 2, rank: 1}]'``, with this folder on ``PYTHONPATH``
+(`FAULTS_ENV` in the run's environment).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ FAULTS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).par
 
 
 def callbacks_override(target: str, **arguments) -> list[str]:
-    """The overrides that add the callback ``fault_injection.<target>(**arguments)`` to a run."""
-    fields = ", ".join([f"_target_: fault_injection.{target}", *(f"{k}: {v}" for k, v in arguments.items())])
+    """The overrides that add the callback ``fault_injection.<target>(**arguments)`` to a run; the arguments
+    are numbers, strings or lists of them (written as Python literals, which Hydra reads alike)."""
+    fields = ", ".join([f"_target_: fault_injection.{target}", *(f"{k}: {v!r}" for k, v in arguments.items())])
     return ["allow_targets=[fault_injection]", f"callbacks=[{{{fields}}}]"]
 
 
@@ -78,6 +80,24 @@ class KillDuringSave(L.Callback):
         trainer.save_checkpoint = save_then_die
 
 
+class KillBeforeAcknowledge(L.Callback):
+    """The process dies once the checkpoint of step ``step`` is durable, before the source acknowledges
+    the records it holds (``data=stream``): the window where only the resumed run can acknowledge them."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        durable = pl_module.checkpoint_durable
+
+        def die_first():
+            if pl_module.steps_done == self.step:
+                os._exit(137)
+            durable()
+
+        pl_module.checkpoint_durable = die_first
+
+
 class EndsLate(L.Callback):
     """Rank ``rank`` ends ``seconds`` late: after its last collective it sleeps, then writes
     ``ended-<rank>`` into the run directory."""
@@ -92,13 +112,14 @@ class EndsLate(L.Callback):
 
 
 class WaitForFile(L.Callback):
-    """Every rank waits after training step ``step`` until the file ``path`` exists (at most 10 minutes), so
-    that a test can signal the run at a known step: a signal sent in the wait stops it after step ``step + 1``."""
+    """Every rank waits after training step ``steps[i]`` until the file ``paths[i]`` exists (at most 10 minutes),
+    so that a test can signal the run at known steps: a signal sent in a wait after step s stops it after s + 1."""
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, Path(path)
+    def __init__(self, steps: list[int], paths: list[str]) -> None:
+        self.waits = dict(zip(steps, map(Path, paths), strict=True))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        path = self.waits.get(pl_module.steps_done)
         deadline = time.monotonic() + 600
-        while pl_module.steps_done == self.step and not self.path.exists() and time.monotonic() < deadline:
+        while path is not None and not path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_injection import FAULTS_ENV
+from fault_injection import FAULTS_ENV, callbacks_override
 
 from rlcli.errors import CLUSTER_FAILURE
 
@@ -111,12 +111,6 @@ def test_a_cpu_sweep_with_the_defaults_runs_and_its_jobs_ask_for_no_gpu(tmp_path
     assert re.search(r"member #1 \(Slurm job \d+_1\): COMPLETED", output)
 
 
-def _callbacks(*waits: tuple[int, Path]) -> list[str]:
-    entries = ", ".join(f"{{_target_: fault_injection.WaitForFile, step: {step}, path: '{path}'}}"
-                        for step, path in waits)
-    return ["allow_targets=[fault_injection]", f"callbacks=[{entries}]"]
-
-
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(tmp_path, processes):
     """The time-limit signal (SIGUSR2, as Slurm sends it to every task) in the pause after step 2, and
@@ -125,7 +119,8 @@ def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(
     job back for about AuthInfo=cred_expire seconds, 10 on the test cluster, so that the end of its old
     attempt cannot be taken for the end of the new one: the test does not cut that short.)"""
     limit, requeue = tmp_path / "limit.go", tmp_path / "requeue.go"
-    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *_callbacks((2, limit), (5, requeue)),
+    waits = callbacks_override("WaitForFile", steps=[2, 5], paths=[str(limit), str(requeue)])
+    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *waits,
                              *(TWO_PROCESSES + ["hydra.launcher.cpus_per_task=1"] if processes == 2 else [])])
     job = sweep.job()
     sweep.wait_until(has_steps(sweep, 2))
@@ -149,7 +144,8 @@ def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(
 
 def test_too_many_time_limits_end_the_sweep_with_one_message(tmp_path):
     go = tmp_path / "go"
-    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *_callbacks((1, go)),
+    waits = callbacks_override("WaitForFile", steps=[1], paths=[str(go)])
+    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *waits,
                              "hydra.launcher.max_num_timeout=0"])
     job = sweep.job()
     sweep.wait_until(has_steps(sweep, 1))

@@ -12,8 +12,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import lightning as L
 import redis
+from fault_injection import FAULTS_ENV
 
 from factories import rollout_record
 from rlcli.stream import StreamWriter
@@ -28,39 +28,12 @@ IDLE = 3
 FAST = ["logger=none", "trainer.accumulate_microbatches=1", "data.max_tokens=32", "trainer.max_steps=100000",
         "data.max_lag=1000000", f"data.idle_timeout={IDLE}", "trainer.checkpoint_every=1"]
 DDP = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
-# For a run that adds a callback of `fault_injection` (the tests' folder) or of this module
-FAULTS_PATH = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])
 
 
 def subprocess_env(faults: bool = False) -> dict:
-    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if faults:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS_PATH, os.environ.get("PYTHONPATH")]))
-    return env
-
-
-def fault_overrides(target: str, **arguments) -> list[str]:
-    """The overrides that add the callback ``target(**arguments)`` (``module.Class``) to a run."""
-    fields = ", ".join([f"_target_: {target}", *(f"{k}: {v}" for k, v in arguments.items())])
-    return [f"allow_targets=[{target.split('.')[0]}]", f"callbacks=[{{{fields}}}]"]
-
-
-class KillBeforeAcknowledge(L.Callback):
-    """The process dies once the checkpoint of step ``step`` is durable, before the source acknowledges
-    the records it holds: the window where only the resumed run can acknowledge them."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        durable = pl_module.checkpoint_durable
-
-        def die_first():
-            if pl_module.steps_done == self.step:
-                os._exit(137)
-            durable()
-
-        pl_module.checkpoint_durable = die_first
+    """The environment of a process of a test run; with ``faults``, one that can load `fault_injection`."""
+    return dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                **(FAULTS_ENV if faults else {}))
 
 
 def records(prefix: str, count: int) -> list[dict]:

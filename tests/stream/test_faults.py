@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_injection import callbacks_override
 from stream_helpers import (
     DDP,
     FAST,
@@ -28,7 +29,6 @@ from stream_helpers import (
     assert_stream_drained,
     assert_trained_exactly_once,
     checkpoint_steps,
-    fault_overrides,
     push,
     records,
     spoil,
@@ -94,8 +94,7 @@ def test_trainer_killed_at_random_trains_every_record_exactly_once(tmp_path, red
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, resumed_from", [("fault_injection.KillDuringSave", 2),
-                                                 ("stream_helpers.KillBeforeAcknowledge", 3)])
+@pytest.mark.parametrize("fault, resumed_from", [("KillDuringSave", 2), ("KillBeforeAcknowledge", 3)])
 def test_trainer_killed_around_a_checkpoint_trains_every_record_exactly_once(tmp_path, redis_url, fault,
                                                                              resumed_from):
     """The moments a random kill seldom hits: in the middle of a save (written, not yet renamed), and
@@ -103,7 +102,7 @@ def test_trainer_killed_around_a_checkpoint_trains_every_record_exactly_once(tmp
     first = records("first", 40)
     invalid = spoil(first)  # first-9 is read in step 3: its rejection is made again after a resume from step 2
     pushed = push(redis_url, first)
-    args = stream_args(redis_url, *fault_overrides(fault, step=3))
+    args = stream_args(redis_url, *callbacks_override(fault, step=3))
     with Trainer(args, tmp_path, "killed", faults=True) as killed:
         assert killed.wait() == 137, killed.tail()
     pushed += push(redis_url, records("after-kill", 20))
