@@ -9,7 +9,6 @@ import lightning as L
 import torch
 
 from rlcli.conf.schema import RolloutConfig, TrainConfig
-from rlcli.conf.validate import ConfigError
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
 from rlcli.rollout.samplers import build_sampler
 from rlcli.rollout.tasks import Prompt
@@ -74,18 +73,11 @@ class PeriodicEval(L.Callback):
 
 
 def build_periodic_eval(cfg: TrainConfig, task: Any) -> PeriodicEval | None:
-    """The ``eval.every`` callback of a validated config on ``task`` (the data kind's; None without one),
-    with the ``rollout.*`` sampling options; None when ``eval.every=0``."""
+    """The ``eval.every`` callback of a validated config (`rlcli.conf.rules.periodic_eval`: a task, an
+    unsharded strategy) on ``task``, the data kind's, with the ``rollout.*`` sampling options; None
+    when ``eval.every=0``."""
     e = cfg.eval
     if e.every == 0:
         return None
-    problems = []
-    if task is None:
-        problems.append(f"eval.every: evaluation needs a task (data=generate or stream), not data={cfg.data.kind}")
-    if cfg.strategy.name not in ("auto", "ddp"):
-        problems.append("eval.every: every rank samples with the whole policy, so evaluation runs with "
-                        f"strategy=auto or ddp, not {cfg.strategy.name}")
-    if problems:
-        raise ConfigError(problems)
     return PeriodicEval(task, eval_prompts(task, e.prompts), every=e.every, samples=e.samples, rollout=cfg.rollout,
                         seed=cfg.seed)

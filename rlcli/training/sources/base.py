@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from omegaconf import DictConfig
 
 from rlcli.modules.registry import Registry
 from rlcli.training.collect import CollectedBatch
@@ -55,13 +54,14 @@ class DataKind(ABC):
     """A value of ``data.kind``: its config rules and how it makes step sources."""
 
     groups: ClassVar[tuple[str, ...]] = ()  # top-level config groups it reads besides `data`
+    checks_read: ClassVar[tuple[str, ...]] = ()  # the top-level keys `check_config` reads besides `data`
 
     @staticmethod
-    def check_config(cfg: DictConfig, problems: list[str]) -> None:
-        """Append a ``"key: what is wrong"`` line to ``problems`` for each rule of this kind ``cfg`` breaks
-        (``cfg`` is the composed config, checked against the schema at the same time: read it defensively).
-        A kind without rules of its own adds nothing."""
-        return None
+    def check_config(cfg: TrainConfig, command: str) -> list[str]:
+        """A ``"key: what is wrong"`` line for each rule of this kind that the typed ``cfg`` of a training
+        ``command`` (`rlcli.conf.rules.TRAINING`) breaks; called once ``checks_read`` are valid. A kind
+        without rules of its own has none."""
+        return []
 
     def __init__(self, cfg: TrainConfig, run_dir: Path) -> None:
         self.cfg = cfg

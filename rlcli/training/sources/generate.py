@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
-from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, computes_advantages, group_estimators
+from rlcli.rollout.advantages import computes_advantages, group_estimators
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
 from rlcli.training.collect import CollectedBatch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
+
+if TYPE_CHECKING:
+    from rlcli.conf.schema import TrainConfig
 
 
 class OnPolicySource(StepSource):
@@ -52,47 +55,36 @@ class OnPolicySource(StepSource):
             keep_lines(self.save_to, self.saved)
 
 
-def _number(node, key):
-    value = node.get(key) if isinstance(node, DictConfig) else None
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 @DATA_KINDS.register("generate")
 class GenerateKind(DataKind):
     """Rollouts sampled from the policy itself on ``task``, with ``rollout.*`` sampling options."""
 
     groups = ("rollout", "task")
+    checks_read = ("rollout", "task", "trainer", "advantage", "strategy")
 
     @staticmethod
-    def check_config(cfg: DictConfig, problems: list[str]) -> None:
-        for key in GenerateKind.groups:
-            if cfg.get(key) is None:
-                problems.append(f"{key}: required by data=generate")
-        trainer, strategy, advantage = cfg.get("trainer"), cfg.get("strategy"), cfg.get("advantage")
-        if isinstance(trainer, DictConfig) and trainer.get("docs_per_step"):
+    def check_config(cfg: TrainConfig, command: str) -> list[str]:
+        problems = [f"{key}: required by data=generate" for key in GenerateKind.groups if getattr(cfg, key) is None]
+        trainer = cfg.trainer
+        if trainer.docs_per_step:
             problems.append("trainer.docs_per_step: with data=generate a step is the rollouts it sampled "
                             "(rollout.prompts_per_step x rollout.group_size per process); use it with data=rollouts")
-        estimator = advantage.get("estimator") if isinstance(advantage, DictConfig) else None
-        if estimator in ADVANTAGE_ESTIMATORS.names() and not computes_advantages(estimator):
+        if not computes_advantages(cfg.advantage.estimator):
             problems.append("advantage.estimator: on-policy rollouts (data=generate) need "
                             f"{' or '.join(group_estimators())}")
-        if isinstance(strategy, DictConfig) and strategy.get("name") in ("fsdp", "fsdp2"):
+        if cfg.strategy.name in ("fsdp", "fsdp2"):
             problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
-        prompts, minibatches = _number(cfg.get("rollout"), "prompts_per_step"), _number(trainer, "minibatches")
-        processes = (_number(trainer, "devices") or 1) * (_number(trainer, "num_nodes") or 1)
-        if prompts is not None and minibatches is not None and minibatches > prompts * processes:
-            problems.append(f"trainer.minibatches: {minibatches} is more than the {prompts * processes} groups of a "
-                            "batch (rollout.prompts_per_step per process); a group is never split between updates")
-        rollout = cfg.get("rollout")
-        if isinstance(rollout, DictConfig) and rollout.get("engine") == "vllm" and processes > 1:
+        if cfg.rollout is None:
+            return problems
+        prompts, processes = cfg.rollout.prompts_per_step, trainer.devices * trainer.num_nodes
+        if trainer.minibatches > prompts * processes:
+            problems.append(f"trainer.minibatches: {trainer.minibatches} is more than the {prompts * processes} "
+                            "groups of a batch (rollout.prompts_per_step per process); a group is never split "
+                            "between updates")
+        if cfg.rollout.engine == "vllm" and processes > 1:
             problems.append(f"rollout.engine: a colocated vLLM engine samples in one process, not {processes}; "
                             "to sample with vLLM for more training processes, run `rlcli loop rollout.engine=vllm`")
-        sampled, scored = _number(cfg.get("rollout"), "temperature"), _number(cfg.get("loss"), "temperature")
-        if sampled is not None and scored is not None and sampled != scored:
-            problems.append(
-                f"rollout.temperature: {sampled} differs from loss.temperature={scored}; the trainer must score "
-                "tokens at the sampler's temperature (set loss.temperature alone: rollout.temperature follows it)"
-            )
+        return problems
 
     def __init__(self, cfg, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)

@@ -9,9 +9,9 @@ killed trainer resumed with ``resume=auto`` trains every record exactly once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 
 from rlcli.conf import build_target
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
@@ -20,6 +20,9 @@ from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
 from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
+
+if TYPE_CHECKING:
+    from rlcli.conf.schema import TrainConfig
 
 
 class StreamSource(StepSource):
@@ -80,11 +83,11 @@ class StreamKind(DataKind):
     groups = ("rollout", "task", "publish", "sample")
 
     @staticmethod
-    def check_config(cfg: DictConfig, problems: list[str]) -> None:
-        data = cfg.get("data")
-        if isinstance(data, DictConfig) and data.get("url") is None:
-            problems.append("data.url: required by data=stream (redis://host:port/db); `rlcli loop` starts a "
-                            "local server and sets it")
+    def check_config(cfg: TrainConfig, command: str) -> list[str]:
+        if cfg.data.url is None and command == "train":  # rlcli loop brings its own server; rlcli sample says so
+            return ["data.url: required by data=stream (redis://host:port/db); `rlcli loop` starts a local server "
+                    "and sets it"]
+        return []
 
     def __init__(self, cfg, run_dir) -> None:
         super().__init__(cfg, run_dir)
