@@ -200,7 +200,7 @@ def test_rollout_stop_is_checked_with_the_rest(overrides, expected):
 @pytest.mark.parametrize("overrides, command, expected", [
     (["data=rollouts"], "sample", "data: rlcli sample pushes into a stream (data=stream), not data=rollouts"),
     (["data=stream", "~task"], "sample", "task: rlcli sample needs a task to sample"),
-    (["data=stream"], "sample", "data.url: rlcli sample needs the trainer's Redis server"),
+    (["data=stream"], "sample", "data.url: required by data=stream (redis://host:port/db)"),
     (["data=generate"], "loop", "data: rlcli loop runs samplers and a trainer around a stream (data=stream), "
                                 "not data=generate"),
     (["data=rollouts"], "eval", "task: rlcli eval needs a task and its rollout options"),

@@ -211,8 +211,6 @@ def prompts_to_train_on(cfg: TrainConfig, command: str) -> Iterator[str]:
 def sample_command(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.data.kind != "stream":
         yield f"data: rlcli sample pushes into a stream (data=stream), not data={cfg.data.kind}"
-    elif cfg.data.url is None:
-        yield "data.url: rlcli sample needs the trainer's Redis server (data.url=redis://host:port/db)"
 
 
 @rule("data", "task", commands=SAMPLERS)

@@ -84,7 +84,7 @@ class StreamKind(DataKind):
 
     @staticmethod
     def check_config(cfg: TrainConfig, command: str) -> list[str]:
-        if cfg.data.url is None and command == "train":  # rlcli loop brings its own server; rlcli sample says so
+        if cfg.data.url is None and command != "loop":  # rlcli loop brings its own server
             return ["data.url: required by data=stream (redis://host:port/db); `rlcli loop` starts a local server "
                     "and sets it"]
         return []
