@@ -10,7 +10,7 @@ import torch
 
 from factories import tiny_policy
 from rlcli.errors import UserError
-from rlcli.modules.lm_head import token_logprobs
+from rlcli.modules.lm_head import HeadSpec, token_logprobs
 from rlcli.modules.registry import UnknownName
 from rlcli.rollout.sampler import HFSampler, _left_pad, _truncate, sample_completions
 from rlcli.rollout.samplers import ENGINES, Samplers, build_sampler
@@ -34,7 +34,7 @@ def teacher_forced_logprobs(model, prompt, completion, temperature):
         hidden = model.base_model(
             input_ids=ids[None], position_ids=torch.arange(len(ids))[None], use_cache=False
         ).last_hidden_state[0]  # [L, H]
-        logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, labels, temperature=temperature)
+        logprobs, _ = token_logprobs(hidden, model.get_output_embeddings().weight, labels, HeadSpec(temperature))
     return logprobs[len(prompt) - 1 : -1]  # [C]
 
 
