@@ -40,9 +40,9 @@ def train(cfg: DictConfig, run_dir: Path):
     ``run_dir/export``); returns the trained `PolicyModule`."""
     from contextlib import nullcontext
 
-    from rlcli.conf.validate import resolve_config, validate_config
+    from rlcli.conf.validate import load_config
 
-    resolved, cfg = resolve_config(cfg), validate_config(cfg)  # before Lightning's import: config errors come fast
+    resolved, cfg = load_config(cfg)  # before Lightning's import: config errors come fast
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from rlcli.run_lock import RunLock

@@ -1,6 +1,6 @@
 """Numeric bounds of options, kept in dataclass field metadata (keys ``ge``/``gt``/``le``/``lt``).
 
-The library checks them with `check_bounds`, the config validator (`rlcli.conf.validate`) reads the
+The library checks them with `check_bounds`, the config's type check (`rlcli.conf.typecheck`) reads the
 same metadata. The loss terms compute in float32 at least, so a number they compute with has to be a
 float32 number: past `FLOAT32_MAX` it turns into inf (or torch refuses it as a bound), and a divisor
 below `FLOAT32_TINY` loses its precision and then flushes to 0.
