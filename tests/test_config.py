@@ -188,6 +188,14 @@ def test_the_eval_every_rule_is_reported_with_the_other_problems():
     assert any(p.startswith("optimizer.lr: must be > 0") for p in problems), problems
 
 
+def test_eval_every_with_vllm_runs_in_one_training_process():
+    stream = ["eval.every=2", "data=stream", "data.url=redis://127.0.0.1:1/0", "rollout.engine=vllm"]
+    problems = problems_of([*stream, "trainer.devices=2", "trainer.accelerator=cpu"])
+    assert problems == ["eval.every: with rollout.engine=vllm evaluation samples with a vLLM engine in the training "
+                        "process, which runs in one process, not 2; set eval.every=0 or rollout.engine=hf"], problems
+    validate_config(compose_train_config(stream))
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["rollout.stop=['']"], "rollout.stop: an empty stop string would end every completion at its first token"),
     (["rollout.stop=[-1]"], "rollout.stop: ids [-1] are negative"),

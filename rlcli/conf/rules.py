@@ -178,7 +178,7 @@ def this_machine(cfg: TrainConfig, command: str) -> Iterator[str]:
     yield from machine_problems(cfg.trainer, cfg.strategy, cfg.model)
 
 
-@rule("eval", "data", "strategy", "task", commands=("train", "loop"))
+@rule("eval", "data", "strategy", "task", "rollout", "trainer", commands=("train", "loop"))
 def periodic_eval(cfg: TrainConfig, command: str) -> Iterator[str]:
     """``eval.every`` samples the data kind's task with the whole policy on every rank."""
     if cfg.eval.every == 0:
@@ -188,6 +188,10 @@ def periodic_eval(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.strategy.name not in ("auto", "ddp"):
         yield ("eval.every: every rank samples with the whole policy, so evaluation runs with "
                f"strategy=auto or ddp, not {cfg.strategy.name}")
+    processes = cfg.trainer.devices * cfg.trainer.num_nodes
+    if cfg.rollout is not None and cfg.rollout.engine == "vllm" and processes > 1:
+        yield (f"eval.every: with rollout.engine=vllm evaluation samples with a vLLM engine in the training "
+               f"process, which runs in one process, not {processes}; set eval.every=0 or rollout.engine=hf")
 
 
 @rule("task", commands=TRAINING)

@@ -21,6 +21,7 @@ from rlcli.modules.bounds import TEMPERATURE
 from rlcli.modules.losses import make_loss
 from rlcli.modules.regularizers import TERM_COEF
 from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
+from rlcli.rollout.samplers import ENGINES
 
 # Lightning's seed_everything takes a uint32 seed (it seeds numpy); its constant lives in a module that
 # imports all of Lightning, which a config check need not wait for
@@ -155,7 +156,7 @@ class RolloutConfig:
     temperature: float = bounded(**TEMPERATURE)
     top_p: float = bounded(gt=0, le=1)
     top_k: int = bounded(ge=0)
-    engine: Literal["hf", "vllm"]
+    engine: Literal[ENGINES.names()]
     save: bool
     stop: list[Union[str, int]]  # strings and token ids
     vllm: Any  # keyword arguments of vllm.LLM (a mapping; see rlcli.rollout.vllm_engine)

@@ -116,9 +116,7 @@ def sampling_options(rollout: Any, tokenizer: Any) -> dict[str, Any]:
     """The `SamplingOptions` keywords of ``rollout`` (``temperature``, ``top_p``, ``top_k``, ``stop``) for a
     task's ``tokenizer``: the strings of ``rollout.stop`` are searched in the text ``tokenizer.decode``
     gives; its ids and the tokenizer's own ``stop_ids`` (if it has any) end completions like eos."""
-    strings = [s for s in rollout.stop if isinstance(s, str)]
-    if "" in strings:
-        raise UserError("rollout.stop: an empty stop string would end every completion at its first token")
+    strings = [s for s in rollout.stop if isinstance(s, str)]  # none empty (`rlcli.conf.rules.rollout_stop`)
     ids = [s for s in rollout.stop if not isinstance(s, str)]
     return {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
             "stop_strings": strings, "stop_ids": (*ids, *getattr(tokenizer, "stop_ids", ())),
