@@ -28,6 +28,18 @@ def tiny_policy(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, 
     return build_policy(cfg)
 
 
+def initial_policy(cfg, vocab_size: int = 64) -> torch.nn.Module:
+    """The policy `rlcli train` starts from under the config ``cfg``: ``cfg.model`` built right after every RNG
+    is seeded with ``cfg.seed``; a tiny model without a vocabulary size gets ``vocab_size`` (the data's: the
+    task's with ``data=generate``, else 64)."""
+    import lightning as L
+
+    from rlcli.model.policy import build_policy
+
+    L.seed_everything(cfg.seed, verbose=False)
+    return build_policy(cfg.model, default_vocab_size=vocab_size)
+
+
 EOS = "<|im_end|>"  # ends an assistant turn, as in Qwen2.5-Instruct
 PAD = "<|endoftext|>"
 SPECIAL_TOKENS = (PAD, "<|im_start|>", EOS)

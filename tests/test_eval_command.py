@@ -10,10 +10,10 @@ import json
 import types
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
+from factories import initial_policy
 from rlcli.callbacks.evaluate import PeriodicEval
 from rlcli.cli import main
 from rlcli.conf import build_target
@@ -32,9 +32,8 @@ EVAL_COLUMNS = [f"eval/{name}" for name in METRICS]
 def save_initial_policy(model_dir: Path) -> Path:
     """The default run's initial policy (seed 0, the reverse task's vocabulary) as a Hugging Face directory."""
     cfg = validate_config(compose_train_config())
-    L.seed_everything(cfg.seed, verbose=False)
     task = build_target(cfg.task, "task")
-    build_policy(cfg.model, default_vocab_size=task.tokenizer.vocab_size).save_pretrained(model_dir)
+    initial_policy(cfg, task.tokenizer.vocab_size).save_pretrained(model_dir)
     return model_dir
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import rollout_record, write_jsonl
+from factories import initial_policy, rollout_record, write_jsonl
 from rlcli.errors import UserError
 from rlcli.train import train
 from train_helpers import compose_train_config, run_rlcli
@@ -50,21 +50,11 @@ def test_train_every_loss_and_aggregation(tmp_path, small_rollouts, loss, aggreg
     assert all(torch.isfinite(torch.tensor(float(r["loss"]))) for r in rows)
     assert int(float(rows[-1]["documents_seen"])) == sum(int(float(r["num_documents"])) for r in rows)
 
-    initial = compose_initial_policy()
+    initial = initial_policy(compose_train_config()).state_dict()
     changed = [name for name, p in module.policy.state_dict().items() if not torch.equal(p, initial[name])]
     assert changed, "training did not change any parameter"
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / "config.yaml").is_file()
-
-
-def compose_initial_policy() -> dict:
-    """The tiny policy exactly as `rlcli train` builds it before training (seed 0)."""
-    import lightning as L
-
-    from rlcli.model.policy import build_policy
-
-    L.seed_everything(0, verbose=False)
-    return build_policy(compose_train_config().model).state_dict()
 
 
 def test_export_reloads_with_transformers_and_gives_the_same_logits(tmp_path, small_rollouts):
@@ -153,14 +143,12 @@ def test_one_step_of_many_micro_batches_equals_one_big_micro_batch(tmp_path, sma
 def test_packed_logprobs_equal_one_document_at_a_time(small_rollouts):
     from rlcli.data.packing import make_micro_batch
     from rlcli.data.readers import load_rollouts
-    from rlcli.model.policy import build_policy
     from rlcli.model.scorer import TokenScorer
     from rlcli.modules import HeadSpec
     from rlcli.rollout.advantages import apply_advantage_estimator
 
-    torch.manual_seed(0)
     cfg = compose_train_config(["data=rollouts"])
-    policy = build_policy(cfg.model)
+    policy = initial_policy(cfg)
     scorer = TokenScorer(policy, HeadSpec(chunk_tokens=0), with_entropy=False)
     documents, _ = load_rollouts([small_rollouts], vocab_size=64)
     documents = apply_advantage_estimator(documents, "grpo", eps=cfg.advantage.eps)[:6]

@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import random
 
-import lightning as L
 import pytest
 import torch
 from launch import run_ranks
 
-from factories import rollout_record, write_jsonl
+from factories import initial_policy, rollout_record, write_jsonl
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
-from rlcli.model.policy import build_policy
 from rlcli.model.scorer import TokenScorer
 from rlcli.modules import Correction, HeadSpec, KLPenalty, LossInputs, LossSpec, policy_loss
 from rlcli.rollout.advantages import apply_advantage_estimator
@@ -42,8 +40,7 @@ def reference_parameters(data, docs: list[int], loss: str, aggregation: str, div
     the KL penalty to the records' ref_logprobs, the entropy bonus and the mismatch correction too (the
     proximal log-probs of a first step are the current ones)."""
     cfg = compose_train_config()
-    L.seed_everything(cfg.seed, verbose=False)
-    policy = build_policy(cfg.model).double()
+    policy = initial_policy(cfg).double()
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
     by_index = {r.index: r for r in apply_advantage_estimator(rollouts, "grpo", eps=cfg.advantage.eps)}
     batch = make_micro_batch([by_index[i] for i in docs])
