@@ -23,10 +23,10 @@ commands:
 
 
 def _hydra_app(name: str, args: list[str]) -> int:
-    """Run the Hydra app of `rlcli.<name>` (a `rlcli.commands.app.HydraApp`) with ``args`` as its overrides."""
+    """Run the Hydra app of `rlcli.commands.<name>` (a `rlcli.commands.app.HydraApp`) with ``args`` as its overrides."""
     import importlib
 
-    return importlib.import_module(f"rlcli.{name}").app.run(args)
+    return importlib.import_module(f"rlcli.commands.{name}").app.run(args)
 
 
 def _train(args: list[str], *, relaunched: bool = False) -> int:
@@ -46,20 +46,20 @@ def _train(args: list[str], *, relaunched: bool = False) -> int:
 
 
 def _sample(args: list[str]) -> int:
-    from rlcli.sample import with_stream_data
+    from rlcli.commands.sample import with_stream_data
 
     return _hydra_app("sample", with_stream_data(args))
 
 
 def _loop(args: list[str]) -> int:
-    from rlcli.sample import with_stream_data
+    from rlcli.commands.sample import with_stream_data
 
     return _hydra_app("loop", with_stream_data(args))
 
 
 def _eval(args: list[str]) -> int:
     from rlcli.errors import UserError
-    from rlcli.eval import model_overrides
+    from rlcli.commands.eval import model_overrides
 
     try:
         overrides = model_overrides(args)

@@ -18,12 +18,12 @@ from rlcli.callbacks.evaluate import PeriodicEval
 from rlcli.cli import main
 from rlcli.conf import build_target
 from rlcli.conf.validate import ConfigError, validate_config
-from rlcli.eval import model_overrides
+from rlcli.commands.eval import model_overrides
 from rlcli.model.policy import build_policy
 from rlcli.report import write_report
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
 from rlcli.rollout.samplers import build_sampler
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 EVAL_COLUMNS = [f"eval/{name}" for name in METRICS]

@@ -10,7 +10,7 @@ import pytest
 from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file
 
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 

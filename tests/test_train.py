@@ -11,7 +11,7 @@ import torch
 
 from factories import initial_policy, rollout_record, write_jsonl
 from rlcli.errors import UserError
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 AGGREGATIONS = ["token_mean", "sample_mean", "prompt_mean", "constant aggregation.divisor=16"]

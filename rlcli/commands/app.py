@@ -4,7 +4,7 @@ becomes a Hydra app over the package's config, run with the user's overrides as 
     @hydra_app("sample")
     def app(cfg: DictConfig, run_dir: Path) -> int: ...
 
-    rlcli.sample.app.run(["data.url=redis://..."])  # the exit code
+    rlcli.commands.sample.app.run(["data.url=redis://..."])  # the exit code
 
 The exit code tells the config from the run: 2 for a config that does not compose or is rejected (the
 task's `UserError`), for a run directory that cannot be made and for a file the storage refuses;

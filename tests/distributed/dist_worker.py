@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import rlcli.training.sources.files as file_sources
-from rlcli.train import train
+from rlcli.commands.train import train
 from rlcli.training import distributed
 from rlcli.training.collect import collect_batch
 from train_helpers import compose_train_config

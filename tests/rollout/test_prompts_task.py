@@ -23,7 +23,7 @@ from rlcli.errors import UserError
 from rlcli.rollout.prompts import PromptsTask
 from rlcli.rollout.sampler import HFSampler, sample_completions
 from rlcli.rollout.samplers import build_sampler
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 SYSTEM = "Add the numbers."

@@ -153,7 +153,7 @@ def test_eval_with_rollout_engine_vllm_samples_with_vllm(engine, tmp_path, monke
     the model (here the module's engine, given the model's weights: a second engine in one process would
     tear down the first's process groups), and its rows are what a `VLLMSampler` of the same weights draws
     with the same seed, not what the built-in sampler draws."""
-    from rlcli.eval import evaluate_model, model_overrides
+    from rlcli.commands.eval import evaluate_model, model_overrides
     from rlcli.rollout.evaluate import eval_prompts, evaluate
     from rlcli.rollout.sampler import HFSampler
     from rlcli.rollout.vllm_engine import VLLMEngine
@@ -198,7 +198,7 @@ def assert_first_step_on_policy(row: dict) -> None:
 
 @pytest.mark.slow
 def test_train_with_a_colocated_engine_starts_on_policy_and_learns(engine, tmp_path):
-    from rlcli.train import train
+    from rlcli.commands.train import train
 
     train(compose_train_config(["rollout.engine=vllm", f"loss.temperature={TEMPERATURE}", "trainer.max_steps=30"]),
           tmp_path / "run")  # in this process, next to the module's engine: as `rlcli train` runs it, without the start

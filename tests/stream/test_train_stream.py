@@ -17,7 +17,7 @@ from factories import rollout_record
 from rlcli.callbacks.preemption import stop_code
 from rlcli.signals import RunSignals
 from rlcli.stream import StreamWriter
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config
 
 VOCAB = 7  # the default task's (reverse) tokenizer sizes the tiny model

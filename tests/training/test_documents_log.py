@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rlcli.callbacks.documents import DocumentsLog
-from rlcli.train import train
+from rlcli.commands.train import train
 from train_helpers import compose_train_config
 
 

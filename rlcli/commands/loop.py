@@ -153,7 +153,7 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
     from rich.console import Console
 
     from rlcli.conf.validate import validate_config
-    from rlcli.sample import WORKER_ENV
+    from rlcli.commands.sample import WORKER_ENV
     from rlcli.stream.server import EmbeddedRedis
 
     typed = validate_config(cfg, command="loop")  # data=stream; data.url null: the loop's own server
