@@ -58,8 +58,8 @@ def _loop(args: list[str]) -> int:
 
 
 def _eval(args: list[str]) -> int:
-    from rlcli.errors import UserError
     from rlcli.commands.eval import model_overrides
+    from rlcli.errors import UserError
 
     try:
         overrides = model_overrides(args)

@@ -16,14 +16,14 @@ import torch
 from factories import initial_policy
 from rlcli.callbacks.evaluate import PeriodicEval
 from rlcli.cli import main
+from rlcli.commands.eval import model_overrides
+from rlcli.commands.train import train
 from rlcli.conf import build_target
 from rlcli.conf.validate import ConfigError, validate_config
-from rlcli.commands.eval import model_overrides
 from rlcli.model.policy import build_policy
 from rlcli.report import write_report
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
 from rlcli.rollout.samplers import build_sampler
-from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 EVAL_COLUMNS = [f"eval/{name}" for name in METRICS]

@@ -11,8 +11,8 @@ import torch
 
 from factories import rollout_record, write_jsonl
 from rlcli.callbacks.off_policy import warn_if_off_policy
-from rlcli.data.readers import load_rollouts
 from rlcli.commands.train import train
+from rlcli.data.readers import load_rollouts
 from train_helpers import compose_train_config, run_rlcli
 
 

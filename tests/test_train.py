@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from factories import initial_policy, rollout_record, write_jsonl
-from rlcli.errors import UserError
 from rlcli.commands.train import train
+from rlcli.errors import UserError
 from train_helpers import compose_train_config, run_rlcli
 
 AGGREGATIONS = ["token_mean", "sample_mean", "prompt_mean", "constant aggregation.divisor=16"]

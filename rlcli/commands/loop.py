@@ -152,8 +152,8 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
     """Run the loop that ``cfg`` (composed from ``overrides``) describes in ``run_dir``; the exit code."""
     from rich.console import Console
 
-    from rlcli.conf.validate import validate_config
     from rlcli.commands.sample import WORKER_ENV
+    from rlcli.conf.validate import validate_config
     from rlcli.stream.server import EmbeddedRedis
 
     typed = validate_config(cfg, command="loop")  # data=stream; data.url null: the loop's own server

@@ -17,13 +17,13 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig
 
 from factories import make_arithmetic_dataset, make_tiny_qwen2, make_tokenizer, write_jsonl
+from rlcli.commands.train import train
 from rlcli.conf import build_target
 from rlcli.conf.validate import ConfigError, validate_config
 from rlcli.errors import UserError
 from rlcli.rollout.prompts import PromptsTask
 from rlcli.rollout.sampler import HFSampler, sample_completions
 from rlcli.rollout.samplers import build_sampler
-from rlcli.commands.train import train
 from train_helpers import compose_train_config, run_rlcli
 
 SYSTEM = "Add the numbers."

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from factories import rollout_record
 from rlcli.callbacks.preemption import stop_code
+from rlcli.commands.train import train
 from rlcli.signals import RunSignals
 from rlcli.stream import StreamWriter
-from rlcli.commands.train import train
 from train_helpers import compose_train_config
 
 VOCAB = 7  # the default task's (reverse) tokenizer sizes the tiny model

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from factories import tiny_policy
+from rlcli.commands.sample import with_stream_data
 from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.schema import validate_record
 from rlcli.rollout.tasks import ReverseTask
-from rlcli.commands.sample import with_stream_data
 from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.stream.records import decode

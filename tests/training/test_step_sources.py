@@ -7,8 +7,8 @@ import csv
 import pytest
 from fault_injection import callbacks_override
 
-from rlcli.conf.schema import TrainConfig
 from rlcli.commands.train import train
+from rlcli.conf.schema import TrainConfig
 from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
 from rlcli.training.sources.files import RolloutFileSource
 from train_helpers import compose_train_config
