@@ -105,7 +105,7 @@ def trained_steps(run_dir: Path, count: int):
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
-@pytest.mark.parametrize("signum, to", [  # (SIGTERM to one process in training: tests/launcher/test_slurm.py)
+@pytest.mark.parametrize("signum, to", [  # (SIGTERM to one process in training: tests/e2e/launcher/test_slurm.py)
     (signal.SIGUSR1, "rank 1"),  # the rank that did not get it learns it at the step's end
     (signal.SIGINT, "terminal, twice"),  # Ctrl-C twice: to the whole process group, the second mid-stop
 ])

@@ -88,7 +88,7 @@ def test_logprobs_are_the_policys_at_the_temperature_and_stops_are_kept(engine):
 def test_under_truncation_logprobs_are_the_truncated_distributions(engine):
     """The `Sampler` contract under truncation: vLLM's log-probs are those of the renormalised top-k
     distribution the token was drawn from (the built-in sampler's stay the full one's:
-    tests/rollout/test_rollout_sampler.py)."""
+    tests/unit/rollout/test_rollout_sampler.py)."""
     policy, k = tiny_policy(seed=1), 3
     for prompt, c in zip(PROMPTS, draw(sampler(engine, policy, top_k=k))):
         full = reference_distribution(policy, prompt, c.ids)  # [C, V]

@@ -154,7 +154,7 @@ def test_resume_auto_skips_a_truncated_newest_checkpoint_and_ends_like_a_straigh
 
 @pytest.mark.slow
 def test_kill_during_a_save_then_resume_equals_an_uninterrupted_run(tmp_path):
-    """(Two processes killed and resumed: tests/stream/test_faults.py, tests/launcher/test_slurm.py.)"""
+    """(Two processes killed and resumed: tests/e2e/stream/test_faults.py, tests/e2e/launcher/test_slurm.py.)"""
     common = ["data=rollouts", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=1",
               "trainer.accumulate_microbatches=2", "data.max_tokens=128"]
     straight = run_cli([*common, "hydra.run.dir=straight"], tmp_path)
