@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
+TESTS = HERE.parents[1]  # the shared test helpers (train_helpers, factories)
 
 
 def free_port() -> int:
@@ -27,7 +28,7 @@ def run_ranks(jobs: list[dict], out_dir: Path, world_size: int = 2, timeout: flo
     base = dict(
         os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
         NODE_RANK="0", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
     )
     procs = []
     for rank in range(world_size):
