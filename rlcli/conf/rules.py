@@ -104,6 +104,17 @@ def vllm_options(cfg: TrainConfig, command: str) -> Iterator[str]:
         yield f"rollout.vllm.{key}: rlcli sets it ({OWNED_OPTIONS[key]}); remove it"
 
 
+@rule("rollout")
+def vllm_temperature(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """vLLM samples at temperatures up to its own bound."""
+    from rlcli.rollout.vllm_engine import MAX_TEMPERATURE
+
+    r = cfg.rollout
+    if r is not None and r.engine == "vllm" and r.temperature > MAX_TEMPERATURE:
+        yield (f"rollout.temperature: vLLM samples at temperatures up to {MAX_TEMPERATURE:g}, got {r.temperature:g} "
+               "(rollout.temperature follows loss.temperature); use rollout.engine=hf for a higher one")
+
+
 @rule("rollout", "correction", commands=TRAINING)
 def vllm_truncation(cfg: TrainConfig, command: str) -> Iterator[str]:
     """vLLM's log-probs of truncated sampling are not the trainer's: only the mismatch correction weighs them."""

@@ -36,6 +36,7 @@ OWNED_OPTIONS = {
     "load_format": "rlcli loads the weights itself",
     "logprobs_mode": "always processed_logprobs, the log-probs at the sampling temperature",
 }
+MAX_TEMPERATURE = 2.0  # vLLM refuses to sample at a higher temperature (SamplingParams)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what vLLM's CPU attention takes
 CPU_KV_CACHE_BYTES = 1 << 30  # rollout.vllm.kv_cache_memory_bytes=null on CPU (vLLM's own default is most of the RAM)
 INSTALL_HINT = ("on a CPU machine `make setup-vllm` (or pip install 'rlcli[vllm]' next to the CPU torch); "

@@ -188,6 +188,14 @@ def test_the_eval_every_rule_is_reported_with_the_other_problems():
     assert any(p.startswith("optimizer.lr: must be > 0") for p in problems), problems
 
 
+def test_vllm_samples_at_temperatures_up_to_2():
+    problems = problems_of(["rollout.engine=vllm", "loss.temperature=2.5"])
+    assert problems == ["rollout.temperature: vLLM samples at temperatures up to 2, got 2.5 (rollout.temperature "
+                        "follows loss.temperature); use rollout.engine=hf for a higher one"], problems
+    validate_config(compose_train_config(["rollout.engine=vllm", "loss.temperature=2"]))
+    validate_config(compose_train_config(["loss.temperature=2.5"]))
+
+
 def test_eval_every_with_vllm_runs_in_one_training_process():
     stream = ["eval.every=2", "data=stream", "data.url=redis://127.0.0.1:1/0", "rollout.engine=vllm"]
     problems = problems_of([*stream, "trainer.devices=2", "trainer.accelerator=cpu"])
