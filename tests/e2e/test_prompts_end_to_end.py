@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from factories import make_arithmetic_dataset, make_tiny_qwen2
-from train_helpers import run_rlcli
+from rlcli.commands.train import train
+from train_helpers import compose_train_config, run_rlcli
 
 TASK = ["task=prompts", "rollout.max_new_tokens=2"]
 
@@ -66,3 +68,59 @@ def test_a_bad_reward_config_is_one_message_naming_the_key(assets, tmp_path):
                         "hydra.run.dir=run"], tmp_path)
     assert result.returncode == 2
     assert "task.rewards[0].pattern" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_rlcli_eval_evaluates_the_eval_paths_of_task_prompts(tmp_path):
+    """`rlcli eval EXPORT task=prompts task.eval_paths=[f]` needs no training prompts; with task.paths the same
+    file it evaluates it all the same (eval trains nothing)."""
+    model_dir = make_tiny_qwen2(tmp_path / "model")
+    data = make_arithmetic_dataset(tmp_path / "test.jsonl", 3, seed=0)
+    for name, extra in (("eval_paths", []), ("both", [f"task.paths=[{data}]"])):
+        run_dir = tmp_path / name
+        result = run_rlcli(["eval", str(model_dir), "task=prompts", f"task.eval_paths=[{data}]", *extra,
+                            "eval.samples=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads((run_dir / "eval.json").read_text())
+        assert report["prompts"] == 3 and report["samples"] == 2
+        assert [row["answer"] for row in report["rows"]] == [
+            json.loads(line)["answer"] for line in data.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_rlcli_train_on_a_prompt_dataset_with_a_tiny_qwen2(tmp_path):
+    """A few steps of `rlcli train` log the rewards per term; ``rollout.stop`` ends the completions
+    (half of the vocabulary are stop ids here, so most completions stop early)."""
+    model_dir = make_tiny_qwen2(tmp_path / "model")
+    data = make_arithmetic_dataset(tmp_path / "train.jsonl", 32, seed=0, chat=True)
+    stop_ids = list(range(0, 320, 2))
+    cfg = compose_train_config([
+        "model=hf", f"model.path={model_dir}", "task=prompts", f"task.paths=[{data}]", "task.eval_fraction=0.25",
+        "trainer.max_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=6",
+        f"rollout.stop=[\"+\",{','.join(map(str, stop_ids))}]", "rollout.save=true", "optimizer.lr=1e-3",
+    ])
+    train(cfg, tmp_path / "run")
+    with (tmp_path / "run" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    for row in rows:
+        assert 0.0 <= float(row["reward"]) <= 1.0 and float(row["reward/math_verify"]) == float(row["reward"])
+        assert float(row["reward_errors"]) == 0.0
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    completions = [json.loads(line)["completion_ids"] for line in (tmp_path / "run" / "rollouts.jsonl").open()]
+    assert len(completions) == 32 and sum(len(c) < 6 for c in completions) > 16
+    for ids in completions:
+        assert not set(ids[:-1]) & set(stop_ids) and "+" not in hf.decode(ids[:-1])
+
+
+def test_rlcli_eval_of_a_prompts_task_evaluates_its_held_out_split(tmp_path):
+    model = make_tiny_qwen2(tmp_path / "model")
+    train = make_arithmetic_dataset(tmp_path / "train.jsonl", 20, seed=0)
+    held_out = make_arithmetic_dataset(tmp_path / "eval.jsonl", 5, seed=1)
+    result = run_rlcli(["eval", str(model), "task=prompts", f"task.paths=[{train}]", f"task.eval_paths=[{held_out}]",
+                        "eval.samples=2", "eval.prompts=3", "rollout.max_new_tokens=3", "hydra.run.dir=run"],
+                       cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    records = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert [(row["prompt"], row["answer"]) for row in report["rows"]] == [(r["prompt"], r["answer"]) for r in records]
+    assert report["prompts"] == 5 and set(report["reward_stats"]) == {"reward/math_verify", "reward_errors"}

@@ -4,7 +4,6 @@ the choice of prompts, batching and seeded determinism."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import random
 from collections import Counter
@@ -197,20 +196,3 @@ def test_the_same_seed_gives_the_same_completions():
     assert all(len(row["completions"]) == 3 for row in first.rows)
     for name in METRICS:
         assert first.metrics[name] == pytest.approx(sum(row[name] for row in first.rows) / len(first.rows))
-
-
-def test_rlcli_eval_of_a_prompts_task_evaluates_its_held_out_split(tmp_path):
-    from factories import make_arithmetic_dataset, make_tiny_qwen2
-    from train_helpers import run_rlcli
-
-    model = make_tiny_qwen2(tmp_path / "model")
-    train = make_arithmetic_dataset(tmp_path / "train.jsonl", 20, seed=0)
-    held_out = make_arithmetic_dataset(tmp_path / "eval.jsonl", 5, seed=1)
-    result = run_rlcli(["eval", str(model), "task=prompts", f"task.paths=[{train}]", f"task.eval_paths=[{held_out}]",
-                        "eval.samples=2", "eval.prompts=3", "rollout.max_new_tokens=3", "hydra.run.dir=run"],
-                       cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "run" / "eval.json").read_text())
-    records = [json.loads(line) for line in held_out.read_text().splitlines()]
-    assert [(row["prompt"], row["answer"]) for row in report["rows"]] == [(r["prompt"], r["answer"]) for r in records]
-    assert report["prompts"] == 5 and set(report["reward_stats"]) == {"reward/math_verify", "reward_errors"}
