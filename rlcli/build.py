@@ -116,7 +116,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     data = DATA_KINDS[cfg.data.kind](cfg, run_dir)
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
-    strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.devices * cfg.trainer.num_nodes)
+    strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.processes)
     loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction)
     module = PolicyModule(
         policy, loss, cfg.trainer, partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),

@@ -199,7 +199,7 @@ def periodic_eval(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.strategy.name not in ("auto", "ddp"):
         yield ("eval.every: every rank samples with the whole policy, so evaluation runs with "
                f"strategy=auto or ddp, not {cfg.strategy.name}")
-    processes = cfg.trainer.devices * cfg.trainer.num_nodes
+    processes = cfg.trainer.processes
     if cfg.rollout is not None and cfg.rollout.engine == "vllm" and processes > 1:
         yield (f"eval.every: with rollout.engine=vllm evaluation samples with a vLLM engine in the training "
                f"process, which runs in one process, not {processes}; set eval.every=0 or rollout.engine=hf")

@@ -215,6 +215,11 @@ class TrainerConfig:
     docs_per_step: int = bounded(ge=0)
     docs_per_step_mode: Literal["at_least", "exact"]
 
+    @property
+    def processes(self) -> int:
+        """The run's training processes: ``devices`` on each of ``num_nodes``."""
+        return self.devices * self.num_nodes
+
 
 @dataclass
 class AutoStrategyConfig:

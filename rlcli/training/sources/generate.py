@@ -76,7 +76,7 @@ class GenerateKind(DataKind):
             problems.append("strategy: on-policy generation (data=generate) runs with strategy=auto or ddp")
         if cfg.rollout is None:
             return problems
-        prompts, processes = cfg.rollout.prompts_per_step, trainer.devices * trainer.num_nodes
+        prompts, processes = cfg.rollout.prompts_per_step, trainer.processes
         if trainer.minibatches > prompts * processes:
             problems.append(f"trainer.minibatches: {trainer.minibatches} is more than the {prompts * processes} "
                             "groups of a batch (rollout.prompts_per_step per process); a group is never split "
