@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: setup setup-vllm train test test-fast bench slurm-cluster
+.PHONY: setup setup-vllm train test test-fast bench slurm-cluster docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,3 +40,10 @@ bench: $(STAMP)
 # a real one-node Slurm cluster on this machine (root, Debian/Ubuntu) for tests/launcher/test_slurm.py
 slurm-cluster:
 	scripts/slurm-cluster.sh start
+
+# the docs site (MkDocs Material, offline: MathJax comes from a wheel) into site/; --strict fails on a broken link
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

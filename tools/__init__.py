@@ -1,0 +1,1 @@
+"""Developer tools of the repository (not shipped with rlcli): the docs' generated pages, the MkDocs hook."""

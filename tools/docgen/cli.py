@@ -1,0 +1,5 @@
+"""The cli reference page."""
+
+
+def render() -> str:
+    return "# TODO\n"

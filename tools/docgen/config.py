@@ -1,0 +1,5 @@
+"""The config reference page."""
+
+
+def render() -> str:
+    return "# TODO\n"

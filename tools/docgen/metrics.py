@@ -1,0 +1,5 @@
+"""The metrics reference page."""
+
+
+def render() -> str:
+    return "# TODO\n"
