@@ -72,7 +72,7 @@ def _eval(args: list[str]) -> int:
 def _data(args: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlcli data", description="Rollout file tools.")
     sub = parser.add_subparsers(dest="action", required=True)
-    check = sub.add_parser("check", help="validate rollout files (SPEC §7) and print a summary")
+    check = sub.add_parser("check", help="check rollout files against the record rules and print a summary")
     check.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
     check.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     check.add_argument("--max-tokens", type=int, default=None, help="reject longer documents")

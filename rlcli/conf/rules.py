@@ -1,4 +1,4 @@
-"""rlcli's config rules: combinations of typed fields that the schema alone cannot express (SPEC §4).
+"""rlcli's config rules: combinations of typed fields that the schema alone cannot express (math.md#aggregation).
 
 A rule reads the typed config of one command and yields a ``"key: what is wrong"`` line for each
 problem. It names the top-level keys it reads (skipped while one of them has a problem of its own)

@@ -1,4 +1,5 @@
-"""Check a composed config once, for one command, and report every problem at once (SPEC §3–§4).
+"""Check a composed config once, for one command, and report every problem at once
+(math.md#policy-losses, #aggregation).
 
 The config is resolved once, then checked against the schema (`rlcli.conf.typecheck`, with the
 options of the loss class the ``loss`` group names), its ``_target_`` trust (`rlcli.conf.targets`)

@@ -10,7 +10,7 @@ class DataError(UserError):
 
 
 class RecordError(ValueError):
-    """One record breaks a rule of the rollout schema (SPEC §7).
+    """One record breaks a rule of the rollout schema (rollout-record.md).
 
     ``field`` is ``None`` when the problem is not tied to one field (e.g. a malformed JSON line).
     """

@@ -1,4 +1,5 @@
-"""Pack whole documents, in order, into micro-batches of at most ``max_tokens`` tokens (SPEC §1)."""
+"""Pack whole documents, in order, into micro-batches of at most ``max_tokens`` tokens
+(math.md#words-and-step-totals)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The rollout record (SPEC §7): one document, and the rules that validate it."""
+"""The rollout record (rollout-record.md): one document, and the rules that validate it."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def validate_record(
     vocab_size: int | None,
     max_tokens: int | None = None,
 ) -> Rollout:
-    """Check one raw record against every rule of SPEC §7 and return it as a ``Rollout``.
+    """Check one raw record against every rule of rollout-record.md and return it as a ``Rollout``.
 
     Fields are checked in table order and the first broken rule raises ``RecordError``. A field
     set to ``null`` counts as absent (Parquet writes ``null`` where a row lacks a column).

@@ -1,4 +1,4 @@
-"""Writing rollouts as SPEC §7 records, readable again by `rlcli.data.readers`."""
+"""Writing rollouts as rollout-record.md records, readable again by `rlcli.data.readers`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rlcli.data.schema import Rollout
 
 
 def to_record(r: Rollout) -> dict[str, Any]:
-    """``r`` as a SPEC §7 record (absent optional fields left out)."""
+    """``r`` as a rollout-record.md record (absent optional fields left out)."""
     record = {
         "prompt_ids": list(r.prompt_ids),
         "completion_ids": list(r.completion_ids),
@@ -27,7 +27,7 @@ def to_record(r: Rollout) -> dict[str, Any]:
 
 
 def append_jsonl(rollouts: Sequence[Rollout], path: str | Path) -> None:
-    """Append ``rollouts`` to ``path`` as SPEC §7 JSON Lines records (readable by `load_rollouts`)."""
+    """Append ``rollouts`` to ``path`` as rollout-record.md JSON Lines records (readable by `load_rollouts`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as handle:

@@ -1,4 +1,4 @@
-"""Step totals and per-token aggregation weights of SPEC §4.
+"""Step totals and per-token aggregation weights of math.md#aggregation.
 
 The step loss is ``L = Σ_t w_t ℓ_t`` over every token of the step. The weights of a micro-batch
 need only its own tokens and the step totals, so micro-batches (and ranks) can each compute their
@@ -116,7 +116,7 @@ def token_weights(
     divisor: float | None = None,
     group_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``w_t`` of SPEC §4 for the given tokens ([N], same dtype as ``mask``, 0 where mask is 0).
+    """``w_t`` of math.md#aggregation for the given tokens ([N], same dtype as ``mask``, 0 where mask is 0).
 
     Denominators are clamped to at least 1: they only matter where ``m_t = 1``, and there they are
     >= 1 already, so a step with nothing to train on gets weights 0, never NaN.

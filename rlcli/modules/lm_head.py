@@ -2,7 +2,7 @@
 
 `token_logprobs` never builds the full ``[tokens, vocab]`` logits when ``chunk_tokens > 0``: the
 forward keeps one chunk of logits at a time, and the backward recomputes them chunk by chunk
-(SPEC §2).
+(math.md#log-probabilities).
 
 Cost per chunk of ``C`` tokens (``V`` vocabulary, ``H`` hidden): the forward is one ``[C, H] @ [H, V]``
 matmul and one fused in-place log-softmax over the ``[C, V]`` logits; the backward recomputes the

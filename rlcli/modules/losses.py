@@ -1,4 +1,5 @@
-"""Per-token policy losses of SPEC §3 as registered objects: GRPO (token ratios) and GSPO (sequence ratios).
+"""Per-token policy losses of math.md#policy-losses as registered objects: GRPO (token ratios) and GSPO
+(sequence ratios).
 
 A loss is a frozen dataclass subclass of `PolicyLoss` whose fields are its options (bounds in the
 field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name in `LOSSES`:
@@ -103,7 +104,7 @@ class LossInputs:
 class RatioUnits:
     """The importance ratios the metrics are taken over: tokens (grpo) or documents (gspo).
 
-    ``mean_weight`` turns a sum over units into the document mean's numerator (SPEC §6, before the
+    ``mean_weight`` turns a sum over units into the document mean's numerator (math.md#metrics, before the
     division by D); ``count_weight`` marks the units that enter the plain sums. All detached.
     """
 

@@ -1,4 +1,4 @@
-"""Step metrics of SPEC §6 as partials that combine exactly across micro-batches and ranks.
+"""Step metrics of math.md#metrics as partials that combine exactly across micro-batches and ranks.
 
 Each micro-batch yields ``MetricPartials``: sums (added), maxima and minima. Document means
 ``μ(v) = (1/D) Σ_d (1/max(n_d,1)) Σ_t m_t v_t`` are kept as their numerators and divided by the
@@ -73,7 +73,7 @@ def metric_partials(
     *,
     entropy: torch.Tensor | None = None,
 ) -> MetricPartials:
-    """The SPEC §6 partials at ``spec.metrics`` of one micro-batch (whole documents), with the ``units``
+    """The math.md#metrics partials at ``spec.metrics`` of one micro-batch (whole documents), with the ``units``
     of ``spec.loss.per_token`` and the loss's own metrics. All inputs ``[N]``; float64 out."""
     loss, metrics = spec.loss, spec.metrics
     partials = MetricPartials()
@@ -84,7 +84,7 @@ def metric_partials(
     def doc_mean_numerator(values):
         return document_mean_numerator(values, inputs)
 
-    partials.means["old_logprobs"] = doc_mean_numerator(inputs.proximal_logprobs)  # SPEC §6 names it so
+    partials.means["old_logprobs"] = doc_mean_numerator(inputs.proximal_logprobs)  # math.md#metrics names it so
     partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
     partials.means["advantage"] = doc_mean_numerator(inputs.advantages)
     if metrics == "with_entropy":

@@ -27,7 +27,7 @@ from rlcli.modules.segments import Segments
 
 @dataclass(frozen=True)
 class LossSpec:
-    """What the step loss is: the policy loss, its aggregation (SPEC §4), the metrics level (SPEC §6)
+    """What the step loss is: the policy loss, its aggregation (math.md#aggregation), the metrics level (#metrics)
     and the terms of `rlcli.modules.regularizers` (all off by default).
 
     ``loss``: a registered name (its default options) or a `PolicyLoss` (``make_loss("gspo",
@@ -124,7 +124,7 @@ def policy_loss(
     *,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss ``L`` of SPEC §3–§4 and the metrics of SPEC §6 for one whole step.
+    """The loss ``L`` of math.md#policy-losses, #aggregation and the metrics of #metrics for one whole step.
 
     ``logprobs`` [N] (and ``entropy`` [N], for the bonus or ``metrics="with_entropy"``) are the
     policy's over the step's tokens; the returned loss carries autograd to them. Metric values are

@@ -15,7 +15,7 @@ Per labelled token, with the loss's own ``ℓ_t`` (`PolicyLoss.per_token`), the 
   ``mask``: ``w = 1[low ≤ ρ ≤ high]``; computed in log space, so ρ never overflows. Only the
   policy term is weighted (as verl's rollout correction); the KL and entropy terms are not.
 
-The aggregation weights of SPEC §4 then apply to ``ℓ'_t`` unchanged. Every term is off by default
+The aggregation weights of math.md#aggregation then apply to ``ℓ'_t`` unchanged. Every term is off by default
 and then the total is the loss's ``ℓ_t`` itself, bit for bit. `token_losses` is the one function
 that computes ``ℓ'_t``: `micro_batch_loss` calls it on the micro-batch, the fused head on each
 chunk (it takes ``dL/dlp`` and ``dL/dH`` by autograd through it). The correction weights depend on

@@ -1,5 +1,5 @@
 """On-policy rollouts: sample groups of completions from the current policy, score them, and
-turn them into validated `Rollout` documents with group advantages (SPEC §7).
+turn them into validated `Rollout` documents with group advantages (rollout-record.md).
 
 Stateless: the prompts and samples of a step come from a seed derived from ``(seed, step, rank)``,
 so a resumed run regenerates exactly what it would have, given the same model weights.

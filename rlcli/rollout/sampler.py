@@ -4,7 +4,7 @@ command builds its sampler with `rlcli.rollout.samplers.build_sampler`).
 
 `HFSampler` records the log-probability of a sampled token as the log-softmax of ``logits / temperature``
 over the *full* vocabulary, also when ``top_k``/``top_p`` truncate the distribution the token is
-drawn from. That is the ``lp_t`` the trainer recomputes (SPEC §2), so the importance ratio is 1
+drawn from. That is the ``lp_t`` the trainer recomputes (math.md#log-probabilities), so the importance ratio is 1
 at the first update on fresh rollouts; truncation only changes which tokens get sampled.
 
 Stop strings end a completion too: after each token, the text a task's ``decode`` gives for the
@@ -55,7 +55,7 @@ class Sampler(Protocol):
     generator and the same weights give the same completions again.
 
     Its ``logprobs`` are each token's log-probability at ``temperature``. Without truncation
-    (``top_p = 1``, ``top_k = 0``) every sampler gives the trainer's ``lp_t`` (SPEC §2). Under
+    (``top_p = 1``, ``top_k = 0``) every sampler gives the trainer's ``lp_t`` (math.md#log-probabilities). Under
     truncation they differ: `HFSampler` gives the full distribution's (still ``lp_t``),
     `rlcli.rollout.vllm_sampler.VLLMSampler` those of the truncated, renormalised distribution the
     token was drawn from (vLLM's processed log-probs), which the trainer uses only through the

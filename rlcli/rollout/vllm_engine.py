@@ -5,7 +5,7 @@ through `VLLMEngine.load_weights`: the colocated trainer hands it the policy's p
 every sampling (no files), a sampler process the safetensors of each published version. The engine
 core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the weights are copied once,
 within memory. Its log-probs are always vLLM's ``processed_logprobs``: those of the temperature-scaled
-distribution a token was drawn from, the trainer's ``lp_t`` (SPEC §2) when nothing truncates it.
+distribution a token was drawn from, the trainer's ``lp_t`` (math.md#log-probabilities) when nothing truncates it.
 """
 
 from __future__ import annotations

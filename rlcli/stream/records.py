@@ -1,7 +1,7 @@
 """How rollout records travel through a Redis stream, the one check of a stream record, and the keys
 that go with a stream.
 
-An entry holds one field, ``record``: the SPEC §7 record as JSON, plus ``id`` (a unique string),
+An entry holds one field, ``record``: the rollout-record.md record as JSON, plus ``id`` (a unique string),
 ``policy_version`` (the weights version that sampled it) and its advantages, so any Redis client can
 write one. `check_record` is that contract: `StreamWriter` checks a record with it before a push, the
 trainer's `StreamReader` every entry it reads.
@@ -56,7 +56,7 @@ def check_record(
 
     A stream record is a JSON object (no NaN or infinity: strict JSON) with ``id`` (a non-empty string),
     ``policy_version`` (an int >= 0) and ``advantage`` or ``advantages`` (the trainer cannot compute them:
-    a group may reach it in pieces), and it obeys SPEC §7 (`validate_record`, with the trainer's
+    a group may reach it in pieces), and it obeys rollout-record.md (`validate_record`, with the trainer's
     ``vocab_size`` and ``max_tokens`` where known; its errors name ``where (id ...)``). ``index`` is the
     document's position among those read.
     """

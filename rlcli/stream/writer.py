@@ -1,6 +1,6 @@
 """Pushing rollout records into a Redis stream: what a sampler needs from rlcli.
 
-A record is a SPEC §7 record plus ``id`` (a string unique in the stream) and ``policy_version``
+A record is a rollout-record.md record plus ``id`` (a string unique in the stream) and ``policy_version``
 (the weights version that sampled it, an int >= 0). It must also carry ``advantage`` (one value for all
 completion tokens) or ``advantages`` (one per token): the trainer of a stream reads a group in
 pieces and cannot normalise rewards within it, so a sampler that has only rewards fills them with

@@ -1,7 +1,7 @@
 """Collecting a batch: this rank's micro-batches of what the next update (or updates) will train.
 
 `collect_batch` fetches a fixed number of micro-batches, or, with ``docs_per_step``, rounds of one
-micro-batch per rank until the whole job holds N documents (SPEC §5).
+micro-batch per rank until the whole job holds N documents (math.md#step-size).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every collective of the training step, in one place. All are no-ops in a single process.
 
 Gradient reduction policy: data-parallel strategies (DDP, FSDP) average gradients over ranks,
-while each rank's loss is its exact share of the step loss L (SPEC §4). The loss is therefore
+while each rank's loss is its exact share of the step loss L (math.md#aggregation). The loss is therefore
 multiplied by the world size before backward (`gradient_scale`), so that after the averaging the
 gradient in the parameters is exactly ∇L.
 """

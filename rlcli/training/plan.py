@@ -1,4 +1,4 @@
-"""Planning an update: what every rank agrees on before its first backward (SPEC §5), and the
+"""Planning an update: what every rank agrees on before its first backward (math.md#step-size), and the
 reductions of what the update reports.
 
 `plan_update` sums the update's totals over all its micro-batches of all ranks and numbers its groups

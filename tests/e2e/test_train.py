@@ -126,7 +126,7 @@ def test_record_temperature_must_match_loss_temperature(tmp_path):
 
 
 def test_one_step_of_many_micro_batches_equals_one_big_micro_batch(tmp_path, small_rollouts):
-    """SPEC §4 invariance through the real module: the split of a step changes nothing."""
+    """math.md#aggregation invariance through the real module: the split of a step changes nothing."""
     params = []
     for max_tokens, accumulate in ((10_000, 1), (24, 16)):
         torch.manual_seed(0)

@@ -17,7 +17,11 @@ def pages() -> dict[str, Callable[[], str]]:
     """``{path under docs/: render function}`` for every generated page."""
     from tools.docgen import cli, config, metrics
 
-    return {"reference/config.md": config.render, "reference/metrics.md": metrics.render, "reference/cli.md": cli.render}
+    return {
+        "reference/config.md": config.render,
+        "reference/metrics.md": metrics.render,
+        "reference/cli.md": cli.render,
+    }
 
 
 def rendered() -> dict[str, str]:
@@ -27,4 +31,5 @@ def rendered() -> dict[str, str]:
 
 def stale() -> list[str]:
     """The generated pages whose committed text differs from what the code renders."""
-    return [path for path, text in rendered().items() if not (DOCS / path).is_file() or (DOCS / path).read_text() != text]
+    current = rendered()
+    return [path for path, text in current.items() if not (DOCS / path).is_file() or (DOCS / path).read_text() != text]

@@ -1,4 +1,4 @@
-"""``data=rollouts``: batches from rollout files (SPEC §7), a number of micro-batches or documents each."""
+"""``data=rollouts``: batches from rollout files (rollout-record.md), a number of micro-batches or documents each."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §4–§5 on 2 CPU processes (gloo): one step on 2 ranks equals the whole step computed in
+"""math.md#aggregation, #step-size on 2 CPU processes (gloo): one step on 2 ranks equals the whole step computed in
 float64 by one process, with DDP and FSDP2, and docs_per_step loses and repeats nothing."""
 
 from __future__ import annotations

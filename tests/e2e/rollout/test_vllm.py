@@ -68,7 +68,7 @@ def reference_distribution(policy, prompt: list[int], completion: list[int]) -> 
 
 
 def reference_logprobs(policy, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """Each completion token's log-prob at the temperature (SPEC §2's lp_t), in float64: ``[C]``."""
+    """Each completion token's log-prob at the temperature (lp_t of math.md#log-probabilities), in float64: ``[C]``."""
     return reference_distribution(policy, prompt, completion).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 

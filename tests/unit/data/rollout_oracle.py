@@ -1,6 +1,6 @@
-"""An independent reading of SPEC §7 for the fuzz tests, and the checks every load must pass.
+"""An independent reading of rollout-record.md for the fuzz tests, and the checks every load must pass.
 
-Nothing here calls ``rlcli.data.schema``: the rules are written again from the SPEC table (plus
+Nothing here calls ``rlcli.data.schema``: the rules are written again from the rollout-record reference table (plus
 the choices the readers document: ``null`` counts as absent, extra fields are ignored, a
 ``completion_mask`` may hold booleans, ``temperature`` must be > 0, token ids must be ints,
 not floats, the optional ``ref_logprobs`` follow the ``old_logprobs`` rules, and log-probs and
@@ -73,7 +73,7 @@ def _logprob_list(value: Any, length: int) -> bool:
 
 
 def spec_problem(record: Any, vocab: int, max_tokens: int | None = None) -> str | None:
-    """The field of the first SPEC §7 rule ``record`` breaks (in table order), ``None`` if it is valid."""
+    """The field of the first rollout-record.md rule ``record`` breaks (in table order), ``None`` if it is valid."""
     if not isinstance(record, dict):
         return "<not an object>"
     get = record.get
@@ -156,7 +156,7 @@ def expect_json_lines(data: bytes, path: Path, vocab: int, max_tokens: int | Non
 
     A record line is any line (split at ``\\n``) with something other than ASCII whitespace. It is
     a record when it is UTF-8 (a leading byte-order mark allowed) holding one JSON object whose
-    keys are all different, nested at most ``MAX_JSON_DEPTH`` levels; then SPEC §7 decides.
+    keys are all different, nested at most ``MAX_JSON_DEPTH`` levels; then rollout-record.md decides.
     """
     expected = {}
     for number, line in enumerate(data.split(b"\n"), start=1):
@@ -177,7 +177,7 @@ def expect_json_lines(data: bytes, path: Path, vocab: int, max_tokens: int | Non
 
 
 def check_rollout(rollout: Rollout, vocab: int, max_tokens: int | None) -> None:
-    """An accepted document satisfies SPEC §7, read off the ``Rollout`` itself."""
+    """An accepted document satisfies rollout-record.md, read off the ``Rollout`` itself."""
     length = len(rollout.completion_ids)
     for ids in (rollout.prompt_ids, rollout.completion_ids):
         assert type(ids) is tuple and len(ids) >= 1
@@ -252,7 +252,7 @@ def check_load(
     """Every property of the brief for one rollout file.
 
     ``expected`` maps each record's source to its verdict; ``None`` when the test cannot know
-    the records (a damaged file), then only the SPEC is checked.
+    the records (a damaged file), then only the record rules are checked.
     Returns the accepted documents and the rejections (both empty when the file is unreadable).
     """
     # 1. Reading never fails with anything but DataError (a clean user error naming the file).
@@ -282,7 +282,7 @@ def check_load(
         assert accepted == sorted(accepted, key=order.__getitem__)
         assert rejected == sorted(rejected, key=order.__getitem__)
 
-    # 3. An accepted document satisfies SPEC §7 and equals its record; a rejected one breaks a rule.
+    # 3. An accepted document satisfies rollout-record.md and equals its record; a rejected one breaks a rule.
     for rollout in rollouts:
         check_rollout(rollout, vocab, max_tokens)
         if expected is not None:

@@ -1,4 +1,4 @@
-"""Reading rollout files: every SPEC §7 rule, error and skip modes, rejections, paths, temperature."""
+"""Reading rollout files: every rollout-record.md rule, error and skip modes, rejections, paths, temperature."""
 
 import json
 import math

@@ -1,8 +1,8 @@
 """Fuzz the JSON Lines reader with hostile input (issue 7, item 5).
 
 Every generated file is judged line by line by ``rollout_oracle`` (an independent reading of
-SPEC §7) and ``check_load`` asserts the properties: only ``DataError`` escapes, every record is
-accepted or rejected exactly once, accepted documents satisfy SPEC §7 and equal their record,
+rollout-record.md) and ``check_load`` asserts the properties: only ``DataError`` escapes, every record is
+accepted or rejected exactly once, accepted documents satisfy rollout-record.md and equal their record,
 ``on_invalid=error`` raises iff a record is invalid and names its file and line, and
 ``write_rejections`` writes one JSON line per rejection.
 """
@@ -75,7 +75,7 @@ LOGPROBS = st.one_of(
 
 @st.composite
 def valid_records(draw, vocab: int) -> dict:
-    """A record SPEC §7 accepts (up to ``max_tokens``), with every optional field in play."""
+    """A record rollout-record.md accepts (up to ``max_tokens``), with every optional field in play."""
     ids = st.integers(0, vocab - 1)
     length = draw(st.integers(1, 5))
     record = {
@@ -232,7 +232,7 @@ def test_hostile_jsonl_is_accepted_or_rejected_record_by_record(case):
 @FUZZ
 @given(st.data())
 def test_hostile_records_agree_with_the_spec(data):
-    """Every line a JSON object: the record-level rules of SPEC §7 get all the tries."""
+    """Every line a JSON object: the record-level rules of rollout-record.md get all the tries."""
     vocab = data.draw(VOCABS)
     max_tokens = data.draw(MAX_TOKENS)
     records = data.draw(st.lists(hostile_records(vocab), min_size=1, max_size=6))

@@ -4,7 +4,7 @@ Tables with wrong column types (strings or floats for ids, lists of the wrong de
 lists, nulls, booleans, binary), bookkeeping columns Python cannot hold (timestamps with
 nanoseconds, dates past year 9999, long durations), and damaged files (empty, not Parquet at all,
 truncated, bytes flipped). The expected value of every row is read from the table in memory,
-before it is written, and judged by ``rollout_oracle`` (an independent reading of SPEC §7).
+before it is written, and judged by ``rollout_oracle`` (an independent reading of rollout-record.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Float64 references for the tests of ``rlcli.modules``, written from SPEC §2–§4 and §6 only.
+"""Float64 references for the tests of ``rlcli.modules``, written from math.md only
+(log-probabilities, policy losses, aggregation, metrics).
 
 Nothing here imports rlcli. The loss is a plain loop over documents (torch ops only so that
 autograd gives the reference gradient); the metrics are plain Python floats.
@@ -44,12 +45,12 @@ def documents(mask: torch.Tensor, doc: torch.Tensor, group: torch.Tensor | None 
 
 
 # --------------------------------------------------------------------------------------------
-# loss (SPEC §3, §4)
+# loss (math.md#policy-losses, #aggregation)
 # --------------------------------------------------------------------------------------------
 
 
 def ref_document_weights(docs: list[Doc], *, aggregation: str, divisor: float | None = None) -> list[float]:
-    """``w`` of SPEC §4 shared by the labelled tokens of each document (0 for a document without any)."""
+    """``w`` of math.md#aggregation shared by the labelled tokens of each document (0 for a document without any)."""
     num_docs = len(docs)  # D: every document, also those with no labelled token
     num_tokens = sum(len(d.labelled) for d in docs)  # T
     group_tokens: dict[int, int] = {}  # T_g
@@ -120,7 +121,7 @@ def ref_loss(
 
 
 # --------------------------------------------------------------------------------------------
-# metrics (SPEC §6)
+# metrics (math.md#metrics)
 # --------------------------------------------------------------------------------------------
 
 
@@ -136,7 +137,7 @@ def ref_metrics(
     eps_high: float = 0.2,
     entropy: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Every module-level metric of SPEC §6 (level ``basic``, plus ``entropy`` when given)."""
+    """Every module-level metric of math.md#metrics (level ``basic``, plus ``entropy`` when given)."""
     lp_l = lp.detach().to(F64).tolist()
     old_l = old.detach().to(F64).tolist()
     adv_l = adv.detach().to(F64).tolist()
@@ -190,7 +191,7 @@ def ref_metrics(
 
 
 # --------------------------------------------------------------------------------------------
-# LM head (SPEC §2)
+# LM head (math.md#log-probabilities)
 # --------------------------------------------------------------------------------------------
 
 
@@ -430,7 +431,7 @@ def ref_token_policy_losses(
     lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, doc: torch.Tensor, *,
     loss: str, eps_low: float = 0.2, eps_high: float = 0.2,
 ) -> dict[int, torch.Tensor]:
-    """``ℓ_t`` of every labelled token (SPEC §3), differentiable w.r.t. ``lp`` and ``old``."""
+    """``ℓ_t`` of every labelled token (math.md#policy-losses), differentiable w.r.t. ``lp`` and ``old``."""
     lp, old, adv = lp.to(F64), old.to(F64), adv.to(F64)
     lo, hi = 1.0 - eps_low, 1.0 + eps_high
     out = {}

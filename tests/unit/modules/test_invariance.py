@@ -1,4 +1,4 @@
-"""Invariance under the split of a step into micro-batches (SPEC §4 "Invariance", §6 last sentence).
+"""Invariance under the split of a step into micro-batches (math.md#aggregation, "Invariance", and #metrics).
 
 Each micro-batch computes its own ``StepTotals``; the totals are summed (as the all-reduce would),
 then every micro-batch calls ``micro_batch_loss`` with the summed totals. Summed losses, their

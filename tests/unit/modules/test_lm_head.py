@@ -1,4 +1,4 @@
-"""``token_logprobs`` (SPEC §2): chunking, ignored labels, temperature, the fp32 head, and the whole
+"""``token_logprobs`` (math.md#log-probabilities): chunking, ignored labels, temperature, the fp32 head, and the whole
 path hidden/weight -> log-probs -> policy loss against a float64 autograd reference."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The metrics of SPEC §6 against the float64 reference, for every level."""
+"""The metrics of math.md#metrics against the float64 reference, for every level."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRPO/GSPO × aggregation: loss and gradient w.r.t. the log-probs (SPEC §3, §4).
+"""GRPO/GSPO × aggregation: loss and gradient w.r.t. the log-probs (math.md#policy-losses, #aggregation).
 
 Each case is checked against the independent float64 reference of ``rl_reference.py``, against
 central finite differences, and against numbers derived on paper.
@@ -231,7 +231,7 @@ def test_hand_derived_metrics():
 
 
 # --------------------------------------------------------------------------------------------
-# clip boundaries (SPEC §3: clip(x) = min(max(x, 1 − eps_low), 1 + eps_high))
+# clip boundaries (math.md#policy-losses: clip(x) = min(max(x, 1 − eps_low), 1 + eps_high))
 # --------------------------------------------------------------------------------------------
 
 EPS_LOW, EPS_HIGH, DELTA = 0.2, 0.3, 1e-3
