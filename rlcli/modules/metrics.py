@@ -46,7 +46,14 @@ def labelled_extreme(values: torch.Tensor, inputs: LossInputs, fill: float, redu
 
 @dataclass
 class MetricPartials:
-    """Partial metrics of part of a step. ``means`` hold document-mean numerators."""
+    """Partial metrics of part of a step (a micro-batch, a process): ``a + b`` combines two parts.
+
+    Attributes:
+        means: document-mean numerators, added; `finalize_metrics` divides them by the step's ``D``.
+        sums: plain sums, added.
+        maxima: maxima over labelled tokens, combined with ``torch.maximum``.
+        minima: minima over labelled tokens, combined with ``torch.minimum``.
+    """
 
     means: dict[str, torch.Tensor] = field(default_factory=dict)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -115,6 +122,13 @@ def finalize_metrics(partials: MetricPartials, totals: StepTotals) -> dict[str, 
     Maxima and minima over labelled tokens (``max_advantage``, ``min_advantage``, ``is_weight_max``)
     are left out of a step with no labelled token (there is no value to report, and a placeholder
     would be wrong).
+
+    Args:
+        partials: the sum of every micro-batch's partials, over all processes.
+        totals: the whole step's `StepTotals`.
+
+    Returns:
+        The metrics by name, float64 scalars (``num_documents`` and ``num_tokens`` included).
     """
     documents = totals.documents.to(torch.float64).clamp(min=1)
     out = {

@@ -62,7 +62,12 @@ class KLPenalty:
     """``β · k(ref − lp)`` added to every labelled token's loss; ``coef = 0`` is off.
 
     The metric ``kl_ref`` (k3, whatever the estimator) is reported whenever reference log-probs
-    are given, also with ``coef = 0``."""
+    are given, also with ``coef = 0``.
+
+    Attributes:
+        coef: ``β`` (``kl.coef``), ``>= 0``; 0 is off.
+        estimator: ``k1``, ``k2`` or ``k3`` (``kl.estimator``), a name of ``KL_ESTIMATORS``.
+    """
 
     coef: float = field(default=0.0, metadata=TERM_COEF)
     estimator: str = "k3"
@@ -76,9 +81,13 @@ class KLPenalty:
 class Correction:
     """Training-inference mismatch correction: the policy term times the detached ``w``.
 
-    ``mode``: ``none`` (off) | ``truncate`` (``w = min(ρ, high)``) | ``mask`` (``w = 1[low ≤ ρ ≤ high]``);
-    ``level``: ``token`` (``ρ_t``) | ``sequence`` (``Π_t ρ_t`` over the document's labelled tokens) |
-    ``geometric`` (their geometric mean). ``0 < low ≤ high``; ``low`` is read by ``mask`` only."""
+    Attributes:
+        mode: ``none`` (off), ``truncate`` (``w = min(ρ, high)``) or ``mask`` (``w = 1[low ≤ ρ ≤ high]``).
+        level: ``token`` (``ρ_t``), ``sequence`` (``Π_t ρ_t`` over the document's labelled tokens) or
+            ``geometric`` (their geometric mean).
+        low: the lower bound, read by ``mask`` only; ``0 < low ≤ high``.
+        high: the upper bound.
+    """
 
     mode: str = "none"
     level: str = "token"
