@@ -38,6 +38,12 @@ class StepTotals:
 
     ``group_documents[g]`` and ``group_tokens[g]`` (``T_g``) are indexed by the step's group
     indices, so micro-batches must share one group numbering.
+
+    Attributes:
+        documents: ``[]`` ``D``, the documents of the step.
+        tokens: ``[]`` ``T``, the labelled tokens of the step.
+        group_documents: ``[G]`` the documents of each group.
+        group_tokens: ``[G]`` ``T_g``, the labelled tokens of each group.
     """
 
     documents: torch.Tensor  # [] D

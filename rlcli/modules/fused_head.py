@@ -271,6 +271,18 @@ def head_logprobs(
     code; the others, and labels < 0, get 0. In float32 (float64 for float64 inputs), as the fused
     loss reads them: given to it as ``proximal_logprobs`` or ``reference_logprobs`` they give ratio 1
     and ``kl_ref = 0`` exactly while the head is unchanged.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states.
+        weight: ``[V, H]`` LM-head weight (no bias).
+        labels: ``[N]`` token ids.
+        mask: ``[N]`` 1 where a token is trained on.
+        document_index: ``[N]`` the document of each token.
+        spec: the `LossSpec` of the fused loss (its loss decides the chunks).
+        head: the `HeadSpec`.
+
+    Returns:
+        ``[N]`` log-probs, 0 at unlabelled positions.
     """
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)
     labels = labels.long()
@@ -299,6 +311,18 @@ def fused_micro_batch_loss(
     (``chunk_tokens = 0``: all labelled tokens in one chunk; ``"auto"``: `auto_chunk_tokens`). The
     gradients are computed during the call, so the returned loss can be backpropagated once. The
     entropy of the bonus is the head's own, with its gradient.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states of the micro-batch (whole documents).
+        weight: ``[V, H]`` LM-head weight (no bias).
+        labels: ``[N]`` token ids; positions with ``labels < 0`` are not scored.
+        inputs: the micro-batch's `LossInputs`, ``[N]`` each.
+        totals: the whole step's `StepTotals`.
+        spec: the `LossSpec`.
+        head: the `HeadSpec`.
+
+    Returns:
+        ``(loss, partials)``, as `micro_batch_loss` returns them.
     """
     spec.require(inputs, entropy=True)
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)

@@ -41,7 +41,15 @@ AUTO_CHUNK_MIN_TOKENS = 128
 
 def auto_chunk_tokens(vocab_size: int, device_type: str) -> int:
     """``chunk_tokens`` for ``"auto"``: the largest multiple of 16 tokens whose logits fit the
-    device's budget (`AUTO_CHUNK_LOGITS`; CPU's for other devices), at least 128."""
+    device's budget (`AUTO_CHUNK_LOGITS`; CPU's for other devices), at least 128.
+
+    Args:
+        vocab_size: ``V``, the rows of the head's weight.
+        device_type: ``"cpu"`` (64 MiB of float32 logits), ``"cuda"`` (1 GiB) or another torch device type.
+
+    Returns:
+        The number of tokens per chunk.
+    """
     budget = AUTO_CHUNK_LOGITS.get(device_type, AUTO_CHUNK_LOGITS["cpu"])
     return max(AUTO_CHUNK_MIN_TOKENS, budget // vocab_size // AUTO_CHUNK_MULTIPLE * AUTO_CHUNK_MULTIPLE)
 
@@ -50,10 +58,13 @@ def auto_chunk_tokens(vocab_size: int, device_type: str) -> int:
 class HeadSpec:
     """How the LM head scores the labels; checked on construction (``ValueError`` naming the option).
 
-    ``temperature``: the sampler's, > 0. ``fp32``: for float16/bfloat16 inputs do the matmul and
-    everything after it in float32 (gradients come back in the inputs' dtypes). ``chunk_tokens``: if
-    > 0, at most ``chunk_tokens × V`` logits exist at any moment; 0: one chunk; ``"auto"``:
-    `auto_chunk_tokens` for the vocabulary and device.
+    Attributes:
+        temperature: the sampler's temperature, ``> 0``; the logits are divided by it.
+        fp32: for float16/bfloat16 inputs, do the matmul and everything after it in float32
+            (gradients come back in the inputs' dtypes).
+        chunk_tokens: a number ``> 0`` keeps at most ``chunk_tokens × V`` logits at any moment;
+            ``0`` scores every token in one chunk; ``"auto"`` is `auto_chunk_tokens` for the
+            vocabulary and device.
     """
 
     temperature: float = field(default=1.0, metadata=TEMPERATURE)

@@ -35,6 +35,15 @@ class LossSpec:
     ``kl`` needs ``reference_logprobs`` when ``kl.coef > 0``; ``entropy_coef > 0`` needs the entropy,
     with its gradient; ``correction`` needs ``sampler_logprobs``. Raises ``ValueError`` naming the
     first invalid option.
+
+    Attributes:
+        loss: the policy loss, a name of ``LOSSES`` or a `PolicyLoss` instance.
+        aggregation: ``token_mean``, ``sample_mean``, ``prompt_mean`` or ``constant``.
+        divisor: the constant of ``aggregation="constant"``; ``None`` for the others.
+        metrics: ``none``, ``basic`` or ``with_entropy``.
+        kl: the KL penalty to a reference (`KLPenalty`), or ``None``.
+        entropy_coef: the entropy bonus ``c``, ``>= 0``.
+        correction: the mismatch correction (`Correction`), or ``None``.
     """
 
     loss: PolicyLoss | str = "grpo"
@@ -104,6 +113,18 @@ def micro_batch_loss(
     holds whole documents; ``totals`` are the whole step's (all micro-batches, all ranks) and
     ``inputs.group_index`` uses the step's group numbering. Summing the returned losses (and their
     gradients) over every micro-batch of the step gives exactly ``L`` (and ``∇L``).
+
+    Args:
+        logprobs: ``[N]`` the policy's log-probs of the micro-batch's tokens, with their gradient.
+        inputs: the micro-batch's `LossInputs`, ``[N]`` each.
+        totals: the whole step's `StepTotals`, summed over every micro-batch and process.
+        spec: the `LossSpec`.
+        entropy: ``[N]`` the entropy of each position, with its gradient; needed by the entropy
+            bonus and by ``metrics="with_entropy"``.
+
+    Returns:
+        ``(loss, partials)``: this micro-batch's share of ``L`` (a scalar with autograd) and its
+        `MetricPartials`.
     """
     _check_shapes(logprobs, inputs, entropy)
     spec.require(inputs, entropy)
@@ -130,6 +151,17 @@ def policy_loss(
     policy's over the step's tokens; the returned loss carries autograd to them. Metric values are
     detached float64 scalars: ``kl_ref`` whenever ``inputs.reference_logprobs`` are given,
     ``mismatch_kl`` whenever ``inputs.sampler_logprobs`` are.
+
+    Args:
+        logprobs: ``[N]`` the policy's log-probs of the step's tokens, with their gradient.
+        inputs: the step's `LossInputs`, ``[N]`` each.
+        spec: the `LossSpec`.
+        entropy: ``[N]`` the entropy of each position, with its gradient; needed by the entropy
+            bonus and by ``metrics="with_entropy"``.
+
+    Returns:
+        ``(loss, metrics)``: the step loss ``L`` (a scalar with autograd) and the metrics by name
+        (``loss`` among them).
     """
     _check_shapes(logprobs, inputs, entropy)
     group_index = inputs.group_index
