@@ -1,6 +1,6 @@
 """`rlcli train` on a GPU: `strategy=fsdp` (Lightning's FSDPStrategy, GPU only) trains exactly as one
-plain process does, and exports a model that reloads. Runs only where a CUDA device is (see the
-README's Performance section for where it was run); CI machines have none."""
+plain process does, and exports a model that reloads. Runs only where a CUDA device is (see
+docs/performance.md for where it was run); CI machines have none."""
 
 from __future__ import annotations
 

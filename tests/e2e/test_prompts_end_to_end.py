@@ -1,5 +1,6 @@
-"""From a JSONL of questions to a trained, evaluated model with the README's three commands: a local
-BPE tokenizer with a chat template, a tiny Qwen2 and a generated arithmetic dataset, `math_verify`."""
+"""From a JSONL of questions to a trained, evaluated model with the three commands of
+docs/how-to/own-task.md: a local BPE tokenizer with a chat template, a tiny Qwen2 and a generated arithmetic
+dataset, `math_verify`."""
 
 from __future__ import annotations
 

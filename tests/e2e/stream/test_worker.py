@@ -63,7 +63,7 @@ def stream_records(conn) -> list[dict]:
 
 
 def grpo_reference(rewards: list[float]) -> list[float]:
-    """(r - mean) / (std + eps), population std, in float64 (README "Advantages")."""
+    """(r - mean) / (std + eps), population std, in float64 (docs/concepts/math.md#advantages)."""
     mean = sum(rewards) / len(rewards)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
     return [(r - mean) / (std + EPS) for r in rewards]

@@ -1,7 +1,7 @@
 """The GPU path (bfloat16 model, float32 head, varlen attention) against float64 references on the CPU.
 
-These run only where a CUDA device is (they were run on an H100, see the README's Performance
-section); CI machines have none, and there the same code paths run on the CPU in the other tests.
+These run only where a CUDA device is (they were run on an H100, see
+docs/performance.md); CI machines have none, and there the same code paths run on the CPU in the other tests.
 """
 
 from __future__ import annotations
