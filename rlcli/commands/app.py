@@ -6,6 +6,9 @@ becomes a Hydra app over the package's config, run with the user's overrides as 
 
     rlcli.commands.sample.app.run(["data.url=redis://..."])  # the exit code
 
+``--help`` (``-h``) prints the config groups and every key of the config the other arguments compose,
+each with its description (`rlcli.conf.describe`); ``--hydra-help`` is Hydra's own help.
+
 The exit code tells the config from the run: 2 for a config that does not compose or is rejected (the
 task's `UserError`), for a run directory that cannot be made and for a file the storage refuses;
 `CLUSTER_FAILURE` when Slurm did not run a sweep through; otherwise the task's own code.
@@ -50,6 +53,8 @@ class HydraApp:
     def run(self, args: list[str]) -> int:
         """Run the app with ``args`` (Hydra's overrides and options) on the command line; the exit code."""
         errors = group_override_errors(args)
+        if not errors and ("--help" in args or "-h" in args):
+            return self._help([arg for arg in args if arg not in ("--help", "-h")])
         if errors:
             from rlcli.conf.validate import ConfigError
 
@@ -79,6 +84,19 @@ class HydraApp:
                 raise
             print(f"rlcli {self.command}: error: {_before_task(err)}", file=sys.stderr)
             return 2
+        return 0
+
+    def _help(self, args: list[str]) -> int:
+        """Print the groups and the described keys of the config that ``args``' overrides compose."""
+        from rlcli.conf.describe import compose, help_text
+
+        overrides = [arg for arg in args if not arg.startswith("-")]
+        try:
+            cfg = compose(overrides, with_hydra=True)
+        except Exception as err:
+            print(f"rlcli {self.command}: error: {_before_task(err)}", file=sys.stderr)
+            return 2
+        print(help_text(self.command, cfg), end="")
         return 0
 
     def _job(self, cfg: DictConfig) -> None:
@@ -120,13 +138,12 @@ def _before_task(err: Exception) -> str:
 def group_override_errors(args: list[str]) -> list[str]:
     """What is wrong with each override that sets a config group to something other than an option name
     or a list of them (``task=null``, ``loss=1``): Hydra fails on those with a traceback."""
-    from importlib.resources import files
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    conf = files("rlcli.conf")
-    groups = {entry.name for entry in conf.iterdir() if entry.is_dir() and not entry.name.startswith("_")}
+    from rlcli.conf import group_options
+
+    groups = group_options()
     parser, errors = OverridesParser.create(), []
     for arg in args:
         try:
@@ -138,8 +155,6 @@ def group_override_errors(args: list[str]) -> list[str]:
             continue
         value = override.value()
         if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            options = sorted(entry.name.removesuffix(".yaml") for entry in (conf / group).iterdir()
-                             if entry.name.endswith(".yaml"))
-            errors.append(f"{arg}: the config group {group} takes one of {', '.join(options)} (or a list of "
+            errors.append(f"{arg}: the config group {group} takes one of {', '.join(groups[group])} (or a list of "
                           f"them); ~{group} leaves it out")
     return errors

@@ -25,6 +25,14 @@ def gpus_per_node(accelerator: str, devices: int) -> int | None:
     return None if accelerator == "cpu" else devices
 
 
+def group_options() -> dict[str, list[str]]:
+    """``{group: [option, ...]}`` of the config directory (``rlcli/conf/<group>/<option>.yaml``), sorted."""
+    conf = files("rlcli.conf")
+    return {entry.name: sorted(f.name.removesuffix(".yaml") for f in entry.iterdir() if f.name.endswith(".yaml"))
+            for entry in sorted(conf.iterdir(), key=lambda e: e.name)
+            if entry.is_dir() and not entry.name.startswith("_")}
+
+
 def quiet_local_config_folder() -> None:
     """The local config folder on Hydra's search path (``rlcli_local/``) is optional: no warning without it."""
     warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=rlcli_local")

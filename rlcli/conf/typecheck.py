@@ -4,9 +4,10 @@ Generic: nothing here knows rlcli's groups. A schema is a dataclass whose field 
 ``bool``/``int``/``float``/``str``, ``Literal[...]``, ``Optional``, ``list[...]``, ``tuple[...]`` (a
 list of exactly that many items), ``Union[int, Literal[...]]``, nested dataclasses, a ``Union`` of
 dataclasses told apart by a ``Literal``-typed ``name`` or ``kind`` field, `Target` and ``Any``.
-Numeric bounds live in a field's metadata (`bounded`); a `built` field is no key: its builder makes
-it from the node. A dataclass with ``other_keys = True`` takes keys besides its fields, which its
-owner checks. Each problem is a line ``"key.path: what is wrong"``.
+Each key's one-line description (``doc``) and numeric bounds live in its field's metadata
+(`described`); a `built` field is no key: its builder makes it from the node. A dataclass with
+``other_keys = True`` takes keys besides its fields, which its owner checks. Each problem is a line
+``"key.path: what is wrong"``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,15 @@ class Target(dict):
     see ``allow_targets``) and its arguments."""
 
 
-def bounded(**bounds) -> Any:
-    """Field metadata with numeric bounds, e.g. ``field(metadata=bounded(ge=0))``."""
-    return dataclasses.field(metadata=bounds)
+def described(doc: str, **bounds) -> Any:
+    """A config key's field: its one-line description (``rlcli train --help``, the config reference)
+    and its numeric bounds, e.g. ``max_lag: int = described("the staleness bound, in versions", ge=0)``."""
+    return dataclasses.field(metadata={"doc": doc, **bounds})
+
+
+def bounds_of(meta: dict) -> dict[str, float]:
+    """The numeric bounds (``ge``/``gt``/``le``/``lt``) of a field's metadata."""
+    return {name: meta[name] for name in BOUNDS if name in meta}
 
 
 def built(builder: Callable[[DictConfig], Any]) -> Any:
@@ -67,7 +74,7 @@ def _discriminator(cls) -> tuple[str, tuple]:
     return key, typing.get_args(hints[key])
 
 
-def _member(node: DictConfig, members) -> Any:
+def union_member(node, members) -> Any:
     """The member of a Union of dataclasses that ``node``'s discriminator names, or None."""
     key, _ = _discriminator(members[0])
     return next((cls for cls in members if node.get(key) in _discriminator(cls)[1]), None)
@@ -100,7 +107,7 @@ def _check_union(node, members, path: str, problems: list[str]) -> None:
     if not isinstance(node, DictConfig):
         problems.append(f"{path}: expected a config group, got {describe(node)}")
         return
-    cls = _member(node, members)
+    cls = union_member(node, members)
     if cls is not None:
         problems += check(node, cls, path)
         return
@@ -110,7 +117,7 @@ def _check_union(node, members, path: str, problems: list[str]) -> None:
 
 
 def _check_bounds(value, meta: dict, path: str, problems: list[str]) -> None:
-    for name, bound in meta.items():
+    for name, bound in bounds_of(meta).items():
         holds, symbol = BOUNDS[name]
         if not holds(value, bound):
             problems.append(f"{path}: must be {symbol} {bound if isinstance(bound, int) else f'{bound:g}'}, "
@@ -202,7 +209,7 @@ def typed(node, annotation):
             return typed(node, members[0])
         if not all(dataclasses.is_dataclass(m) for m in members):
             return node  # a plain value, e.g. Union[int, Literal["auto"]]
-        annotation = _member(node, members)
+        annotation = union_member(node, members)
     if origin is list:
         return [typed(item, args[0]) for item in node]
     if origin is tuple:

@@ -33,7 +33,7 @@ class ConfigError(UserError):
         super().__init__(f"Invalid configuration ({len(problems)} {noun}):\n{lines}")
 
 
-def _loss_class(node: DictConfig, allowed: tuple[str, ...], problems: list[str]):
+def loss_class(node: DictConfig, allowed: tuple[str, ...], problems: list[str]):
     """The `PolicyLoss` class the ``loss`` group names: a registered ``name``, or a trusted
     ``_target_`` class (registered on the way, so every entry point finds it by name); None after
     reporting why not."""
@@ -66,7 +66,7 @@ def _loss_option_problems(cfg: DictConfig) -> list[str]:
     if not isinstance(node, DictConfig):
         return []  # reported by the schema check
     problems: list[str] = []
-    cls = _loss_class(node, trusted_modules(cfg), problems)
+    cls = loss_class(node, trusted_modules(cfg), problems)
     if cls is not None:
         options = typecheck.schema_fields(cls)
         shared = frozenset([*typecheck.schema_fields(LossConfig), "_target_"])

@@ -2,14 +2,15 @@
 (sequence ratios).
 
 A loss is a frozen dataclass subclass of `PolicyLoss` whose fields are its options (bounds in the
-field metadata, keys ``ge``/``gt``/``le``/``lt``), registered by name in `LOSSES`:
+field metadata, keys ``ge``/``gt``/``le``/``lt``, and ``doc``, the option's one-line description that
+``rlcli train --help`` and the config reference show), registered by name in `LOSSES`:
 
     @LOSSES.register()
     @dataclass(frozen=True)
     class MyLoss(PolicyLoss):
         name = "my_loss"
         sequence_level = False
-        eps: float = field(default=0.1, metadata={"gt": 0})
+        eps: float = field(default=0.1, metadata={"gt": 0, "doc": "the clip range"})
 
         def per_token(self, logprobs, inputs): ...
 
@@ -161,8 +162,10 @@ class PolicyLoss(ABC):
 class ClippedRatioLoss(PolicyLoss):
     """A loss of ``min(r·A, clip(r)·A)``, ``clip(r) = min(max(r, 1 − eps_low), 1 + eps_high)``."""
 
-    eps_low: float = field(default=0.2, metadata={"ge": 0, "lt": 1})
-    eps_high: float = field(default=0.2, metadata=EPS_HIGH)
+    eps_low: float = field(default=0.2, metadata={
+        "ge": 0, "lt": 1, "doc": "the clip's lower side: a ratio below 1 - eps_low is clipped"})
+    eps_high: float = field(default=0.2, metadata={
+        **EPS_HIGH, "doc": "the clip's upper side: a ratio above 1 + eps_high is clipped"})
 
     def clipped_objective(self, ratio: torch.Tensor, advantage: torch.Tensor) -> torch.Tensor:
         """``min(r A, clip(r) A)`` elementwise."""
@@ -254,7 +257,8 @@ class CISPO(PolicyLoss):
     sequence_level = False
     # IS weight capped at 5: the truncation TRL recommends for CISPO (ScaleRL's ε_max = 5); MiniMax-M1
     # tunes its bound but does not publish it
-    eps_high: float = field(default=4.0, metadata=EPS_HIGH)
+    eps_high: float = field(default=4.0, metadata={
+        **EPS_HIGH, "doc": "the importance weight is truncated at 1 + eps_high"})
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]
@@ -283,8 +287,10 @@ class SAPO(PolicyLoss):
     name = "sapo"
     sequence_level = False
     # the paper's: a negative advantage's gate decays a little faster
-    tau_pos: float = field(default=1.0, metadata=_SAPO_TAU)
-    tau_neg: float = field(default=1.05, metadata=_SAPO_TAU)
+    tau_pos: float = field(default=1.0, metadata={
+        **_SAPO_TAU, "doc": "the gate's steepness tau for a positive advantage"})
+    tau_neg: float = field(default=1.05, metadata={
+        **_SAPO_TAU, "doc": "the gate's steepness tau for a negative advantage"})
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]

@@ -136,6 +136,21 @@ class PromptsTask:
     (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone).
     """
 
+    OPTION_DOCS = {
+        "paths": "training prompts: JSON Lines or Parquet files or globs (required to train)",
+        "eval_paths": "held-out prompts for rlcli eval (all it needs) and eval.every; none of task.paths among them",
+        "eval_fraction": "without eval_paths: this fraction of paths is held out, chosen by a shuffle seeded by seed",
+        "seed": "seeds the shuffle that holds out eval_fraction; by default the run's seed",
+        "tokenizer": "a directory with a Hugging Face tokenizer; by default model.path",
+        "trust_remote_code": "let transformers run the tokenizer's own code; by default model.trust_remote_code",
+        "chat_template": "a Jinja chat template; null: the tokenizer's. Set (or system_prompt), it also wraps "
+                         "text prompts",
+        "system_prompt": "a system message put before every prompt (unless it starts with one)",
+        "max_prompt_tokens": "the longest prompt in tokens; a longer one is an error naming its file:line",
+        "rewards": "the reward terms and their weights, [{name: math_verify, weight: 1.0}, {_target_: my.fn}, ...]; "
+                   "null: math_verify alone",
+    }
+
     def __init__(
         self,
         paths: Any = (),

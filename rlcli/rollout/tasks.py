@@ -16,7 +16,9 @@ and optionally:
 - ``eval_prompts() -> list[Prompt]``: a held-out split to evaluate on (``rlcli eval``, ``eval.every``),
   in a fixed order; without it, evaluation draws prompts with ``sample_prompts`` and a fixed seed;
 - ``take_reward_stats() -> dict[str, float]``: statistics of the rewards given since the last call
-  (e.g. ``reward/<name>``), logged with each step's.
+  (e.g. ``reward/<name>``), logged with each step's;
+- ``OPTION_DOCS: dict[str, str]``, a class attribute: a one-line description of each keyword of its
+  constructor (its ``task.*`` keys), which ``rlcli train --help`` and the config reference show.
 
 The built-in tasks score a completion against ``answer`` + eos in token space (see
 ``sequence_reward``), so ids the tokenizer does not know (a model vocabulary larger than the
@@ -134,6 +136,7 @@ class AdditionTask(_AnswerTask):
     """
 
     align = "right"
+    OPTION_DOCS = {"max_digits": "the most digits of each of the two numbers"}
 
     def __init__(self, max_digits: int = 1) -> None:
         if max_digits < 1:
@@ -152,6 +155,12 @@ class AdditionTask(_AnswerTask):
 
 class ReverseTask(_AnswerTask):
     """``"abc>"`` -> ``"cba"``: a random string of ``min_len``..``max_len`` characters, reversed."""
+
+    OPTION_DOCS = {
+        "min_len": "the shortest string to reverse, in characters (at least 1)",
+        "max_len": "the longest string to reverse, in characters",
+        "alphabet": "the characters the strings are drawn from (distinct; no '>', the separator)",
+    }
 
     def __init__(self, min_len: int = 1, max_len: int = 2, alphabet: str = "abcd") -> None:
         if not 1 <= min_len <= max_len:

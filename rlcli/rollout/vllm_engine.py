@@ -24,7 +24,7 @@ import torch
 
 from rlcli.errors import UserError
 
-__all__ = ["CPU_HEAD_SIZES", "OWNED_OPTIONS", "VLLMEngine", "checkpoint_weights"]
+__all__ = ["CPU_HEAD_SIZES", "OPTION_DOCS", "OWNED_OPTIONS", "VLLMEngine", "checkpoint_weights"]
 
 log = logging.getLogger("rlcli")
 
@@ -35,6 +35,15 @@ OWNED_OPTIONS = {
     "skip_tokenizer_init": "rlcli passes token ids",
     "load_format": "rlcli loads the weights itself",
     "logprobs_mode": "always processed_logprobs, the log-probs at the sampling temperature",
+}
+# the vllm.LLM arguments rlcli's config sets (rollout.vllm.*), each with its description
+OPTION_DOCS = {
+    "dtype": "the engine's weights and activations; by default the model's dtype",
+    "enforce_eager": "no CUDA graphs or compilation: a start of seconds; set false on a GPU for speed",
+    "gpu_memory_utilization": "GPU: the share of memory the engine takes (the trainer needs the rest)",
+    "kv_cache_memory_bytes": "the KV cache's bytes; null: 1 GiB on CPU (vLLM's own default would take most of "
+                             "the RAM), from gpu_memory_utilization on a GPU",
+    "max_model_len": "the longest sequence the engine takes; null: the model's max_position_embeddings",
 }
 MAX_TEMPERATURE = 2.0  # vLLM refuses to sample at a higher temperature (SamplingParams)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what vLLM's CPU attention takes

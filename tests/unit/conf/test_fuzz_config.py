@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 
 from rlcli.commands.app import group_override_errors
 from rlcli.conf import build_target, schema
+from rlcli.conf.typecheck import bounds_of
 from rlcli.conf.validate import validate_config
 from rlcli.errors import UserError
 from rlcli.modules import LOSSES
@@ -90,7 +91,7 @@ def schema_slots() -> list[Slot]:
                 else [hint]
             groups = [m for m in members if dataclasses.is_dataclass(m)]
             if not groups:
-                slots.append(Slot(key, hint, {k: bounds[k] for k in ("ge", "gt", "le", "lt") if k in bounds}, select))
+                slots.append(Slot(key, hint, bounds_of(bounds), select))
             for member in groups:
                 chosen = (f"{key}={_option(member)}",) if len(groups) > 1 else (
                     (OPTIONAL_GROUPS[name],) if name in OPTIONAL_GROUPS else ())
@@ -99,7 +100,7 @@ def schema_slots() -> list[Slot]:
     walk(schema.TrainConfig, "", ())
     for name, cls in LOSSES.items():
         for field, hint, bounds in _fields(cls):
-            slots.append(Slot(f"loss.{field}", hint, bounds, (f"loss={name}",)))
+            slots.append(Slot(f"loss.{field}", hint, bounds_of(bounds), (f"loss={name}",)))
     return slots
 
 
