@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
 
-# a real one-node Slurm cluster on this machine (root, Debian/Ubuntu) for tests/launcher/test_slurm.py
+# a real one-node Slurm cluster on this machine (root, Debian/Ubuntu) for tests/e2e/launcher/test_slurm.py
 slurm-cluster:
 	scripts/slurm-cluster.sh start
 
