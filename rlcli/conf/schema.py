@@ -249,7 +249,7 @@ class _OptimizerConfig:
     lr: float = described("the learning rate; by default model.suggested_lr", gt=0)
     weight_decay: float = described("decoupled weight decay (adamw), L2 penalty (sgd)", ge=0)
     schedule: SCHEDULES = described("constant, or cosine after warmup down to min_lr_ratio x lr")
-    warmup_steps: int = described("steps of linear warmup from 0 to lr", ge=0)
+    warmup_steps: int = described("steps of linear warmup up to lr (the first at lr / warmup_steps)", ge=0)
     min_lr_ratio: float = described("the cosine schedule's final rate, as a fraction of lr", ge=0, le=1)
 
 
@@ -280,7 +280,8 @@ class TrainerConfig:
         "steps in a row with a non-finite loss or gradient before the run stops", ge=1)
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"] = described(
         "Lightning's precision of the training step")
-    accelerator: Literal["auto", "cpu", "gpu"] = described("where the processes run")
+    accelerator: Literal["auto", "cpu", "gpu"] = described(
+        "the device kind: auto (Lightning picks a GPU if there is one), cpu or gpu")
     devices: int = described("processes per node (one per GPU)", ge=1)
     num_nodes: int = described("nodes of the run", ge=1)
     checkpoint_every: int = described("save a checkpoint every N steps (0: only at the end)", ge=0)
@@ -315,7 +316,7 @@ class FSDPStrategyConfig:
         "the strategy option: fsdp (Lightning's FSDPStrategy, GPU only, one unit per decoder layer)")
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = described(
         "what FSDP shards: parameters, gradients and optimizer states, or fewer of them")
-    cpu_offload: bool = described("keep the parameters on the CPU between uses")
+    cpu_offload: bool = described("offload the parameters and their gradients to CPU memory (FSDP's CPUOffload)")
     process_group_backend: Optional[Literal["gloo", "nccl"]] = described(BACKEND)
 
 
