@@ -9,10 +9,15 @@ import lightning as L
 import torch
 
 from rlcli.conf.schema import RolloutConfig, TrainConfig
-from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
+from rlcli.modules.metrics import Metric
+from rlcli.rollout.evaluate import METRICS as EVAL_METRICS
+from rlcli.rollout.evaluate import eval_prompts, evaluate
 from rlcli.rollout.samplers import build_sampler
 from rlcli.rollout.tasks import Prompt
 from rlcli.training import distributed
+
+METRICS = {f"eval/{name}": Metric("eval.every=N > 0, on steps N, 2N, …", metric.description)
+           for name, metric in EVAL_METRICS.items()}
 
 
 class PeriodicEval(L.Callback):
@@ -60,16 +65,17 @@ class PeriodicEval(L.Callback):
             return {}
         rank, world_size = distributed.rank(), distributed.world_size()
         mine = self.prompts[rank::world_size]
-        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=pl_module.device)  # [M + 1]: sums, count
+        sums = torch.zeros(len(EVAL_METRICS) + 1, dtype=torch.float64, device=pl_module.device)  # [M + 1]: sums, count
         if mine:
             r = self.rollout
             sampler = build_sampler(pl_module.policy, r, self.task.tokenizer)
             result = evaluate(self.task, sampler, mine, samples=self.samples, max_new_tokens=r.max_new_tokens,
                               seed=self.seed + rank, batch_size=r.prompts_per_step * r.group_size)
-            sums[:-1] = torch.tensor([sum(row[name] for row in result.rows) for name in METRICS], dtype=torch.float64)
+            sums[:-1] = torch.tensor([sum(row[name] for row in result.rows) for name in EVAL_METRICS],
+                                     dtype=torch.float64)
             sums[-1] = len(mine)
         sums = distributed.all_reduce(sums, "sum").tolist()
-        return {f"eval/{name}": total / sums[-1] for name, total in zip(METRICS, sums)}
+        return {name: total / sums[-1] for name, total in zip(METRICS, sums)}  # in EVAL_METRICS' order
 
 
 def build_periodic_eval(cfg: TrainConfig, task: Any) -> PeriodicEval | None:

@@ -19,11 +19,16 @@ from pathlib import Path
 import lightning as L
 
 from rlcli.callbacks.preemption import stop_code
+from rlcli.modules.metrics import Metric
 from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.training.export import export_policy
 
 VERSION_DIR = re.compile(r"v(\d+)")
+METRICS = {
+    "weight_publish_time": Metric("data=stream, on steps that publish (`publish.every`)",
+                                  "seconds to gather, write and announce the weights"),
+}
 
 
 class WeightPublisher(L.Callback):

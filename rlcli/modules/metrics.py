@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -20,6 +20,39 @@ if TYPE_CHECKING:
     from rlcli.modules.policy_loss import LossSpec
 
 METRIC_LEVELS = ("none", "basic", "with_entropy")
+
+
+class Metric(NamedTuple):
+    """What a column of ``metrics.csv`` is, declared next to the code that computes it: each module that
+    emits metrics holds ``METRICS = {name: Metric(when, description)}`` (a name like ``reward/<name>``
+    stands for one column per name). The metrics reference page of the docs is generated from them."""
+
+    when: str  # the config that puts it in a row ("always", "metrics=basic", "kl.coef > 0", ...)
+    description: str  # one line: what it is, with its formula where it has one
+
+
+METRICS = {
+    "num_documents": Metric("always", "`D`: the step's documents, also those with no labelled token"),
+    "num_tokens": Metric("always", "`T`: the step's labelled tokens, `Σ m_t`"),
+    "old_logprobs": Metric("metrics=basic", "`μ(old_lp)`: the document mean of the ratio's old log-prob "
+                           "(the sampler's, or the trainer's own with `loss.old_logprobs=recompute`)"),
+    "new_logprobs": Metric("metrics=basic", "`μ(lp)`: the document mean of the policy's log-prob"),
+    "advantage": Metric("metrics=basic", "`μ(A)`: the document mean of the advantage"),
+    "max_advantage": Metric("metrics=basic", "the largest `A_t` over labelled tokens; empty in a step with none"),
+    "min_advantage": Metric("metrics=basic", "the smallest `A_t` over labelled tokens; empty in a step with none"),
+    "ratio_new_old": Metric("metrics=basic", "`μ(r)`, the document mean of the ratio `r_t = exp(lp_t − old_lp_t)`; "
+                            "over documents `(1/D) Σ_d R_d` for gspo and gspo_token"),
+    "ratio_new_old_sum": Metric("metrics=basic", "`Σ m_t r_t` (gspo: `Σ_d R_d` over documents with `n_d > 0`)"),
+    "ratio_new_old_squared_sum": Metric("metrics=basic", "`Σ m_t r_t²` (gspo: `Σ_d R_d²`)"),
+    "kl_new_old": Metric("metrics=basic", "`μ(r − 1 − log r)`: the k3 estimate of the KL from the old policy"),
+    "clipped_ratio_fraction": Metric("metrics=basic, a loss with a clip (not sapo)",
+                                     "the document mean of `1[r < 1 − eps_low or r > 1 + eps_high]`, whatever "
+                                     "the sign of A (cispo: `r > 1 + eps_high`)"),
+    "num_segments": Metric("metrics=basic, loss=gspo or gspo_token", "documents with `n_d > 0`: the units the "
+                           "sequence ratio metrics are taken over (a sum)"),
+    "entropy": Metric("metrics=with_entropy", "`μ(H_t)`: the document mean of the entropy of the "
+                      "temperature-scaled distribution at each labelled position"),
+}
 
 
 def check_metrics_level(metrics: str) -> None:

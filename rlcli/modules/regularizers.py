@@ -33,7 +33,7 @@ import torch
 
 from rlcli.modules.bounds import FLOAT32_MAX, check_bounds
 from rlcli.modules.losses import LossInputs, RatioUnits
-from rlcli.modules.metrics import MetricPartials, document_mean_numerator, labelled_extreme
+from rlcli.modules.metrics import Metric, MetricPartials, document_mean_numerator, labelled_extreme
 from rlcli.modules.registry import Registry
 from rlcli.modules.segments import Segments
 
@@ -55,6 +55,20 @@ CORRECTION_LEVELS: Registry[Callable[..., torch.Tensor]] = Registry("correction 
 METRIC_LOG_RATIO_MAX = 600.0
 # the coefficients of the KL and entropy terms: a float32 number, else coef x 0 is already NaN
 TERM_COEF = {"ge": 0, "le": FLOAT32_MAX}
+
+# the metrics of the terms (`add_term_partials`), none with metrics=none
+METRICS = {
+    "kl_ref": Metric("kl.coef > 0", "`μ(k3(ref − lp))`: the document mean of the k3 estimate of the KL to the "
+                     "reference, whatever `kl.estimator`; 0 at the first step with `kl.reference=initial`"),
+    "mismatch_kl": Metric("correction.mode=truncate or mask", "`μ(k3(prox − behav))`: the k3 estimate of the KL "
+                          "between the trainer's log-probs at the start of the batch and the sampler's"),
+    "is_weight_mean": Metric("correction.mode=truncate or mask", "`μ(u)`: the document mean of the importance "
+                             "weight `u` (`truncate`: `min(ρ, high)`, `mask`: `1[low ≤ ρ ≤ high]`)"),
+    "is_weight_max": Metric("correction.mode=truncate or mask", "the largest `u_t` over labelled tokens; empty in "
+                            "a step with none"),
+    "is_masked_fraction": Metric("correction.mode=truncate or mask", "`μ(1[u = 0])`: the document mean of the "
+                                 "tokens `mask` rejects (0 with `truncate`)"),
+}
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,10 @@
 """Evaluation: sample ``k`` completions of every eval prompt and measure how often they are right.
 
 Used by `rlcli eval` (a model directory) and by ``eval.every`` during training (the current policy).
-Every metric is a mean over prompts of a per-prompt value (each prompt has the same ``k``
-completions, so a mean over prompts is also a mean over completions):
-
-- ``reward``: the task's reward of a completion;
-- ``pass@1``: ``c / k``, the fraction of the ``k`` completions that are correct (``task.is_correct``);
-- ``pass@k``: the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` with
-  ``n = k = eval.samples``: whether some completion of the prompt is correct. `pass_at_k` computes the
-  estimator for any ``k <= n``; with ``k = 1`` it is ``c / n``, ``pass@1`` above;
-- ``length``: completion tokens (the stop token included);
-- ``stopped_fraction``: completions that ended with a stop token rather than at ``max_new_tokens``.
+Every metric (`METRICS`) is a mean over prompts of a per-prompt value (each prompt has the same ``k``
+completions, so a mean over prompts is also a mean over completions). ``pass@k`` is the unbiased
+estimator of Chen et al. (2021); `pass_at_k` computes it for any ``k <= n``, and with ``k = 1`` it is
+``c / n``, ``pass@1``.
 """
 
 from __future__ import annotations
@@ -25,12 +19,23 @@ from typing import Any
 import torch
 
 from rlcli.errors import UserError
+from rlcli.modules.metrics import Metric
 from rlcli.rollout.sampler import Sampler
 from rlcli.rollout.tasks import Prompt
 
 __all__ = ["EVAL_PROMPTS_SEED", "METRICS", "EvalResult", "eval_prompts", "evaluate", "mean_metrics", "pass_at_k"]
 
-METRICS = ("reward", "pass@1", "pass@k", "length", "stopped_fraction")
+# per prompt with k = eval.samples completions, c of them correct; then the mean over prompts
+METRICS = {
+    "reward": Metric("every evaluation", "the mean reward of the completions (the task's reward)"),
+    "pass@1": Metric("every evaluation", "`c/k`: the fraction of the `k` completions that are correct "
+                     "(`task.is_correct`)"),
+    "pass@k": Metric("every evaluation", "`1 − C(n − c, k)/C(n, k)` with `n = k = eval.samples`: whether some "
+                     "completion of the prompt is correct"),
+    "length": Metric("every evaluation", "the mean number of completion tokens (the stop token included)"),
+    "stopped_fraction": Metric("every evaluation", "the fraction of completions that ended with a stop token "
+                               "rather than at `rollout.max_new_tokens`"),
+}
 
 # The seed of the prompts drawn from a task without a held-out split: fixed, so that every evaluation
 # (of any run, at any step) sees the same prompts, and hashed from its own name, so that it is none of

@@ -14,10 +14,20 @@ from typing import Any
 import torch
 
 from rlcli.data.schema import Rollout, validate_record
+from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
 from rlcli.rollout.sampler import Sampler
 
-__all__ = ["OnPolicyRollouts", "step_seed"]
+__all__ = ["METRICS", "OnPolicyRollouts", "step_seed"]
+
+# the statistics of `OnPolicyRollouts.generate`, means over the step's rollouts (and over processes)
+METRICS = {
+    "reward": Metric("data=generate", "the mean reward of the step's completions"),
+    "accuracy": Metric("data=generate", "the fraction of the step's completions that are correct (`task.is_correct`)"),
+    "completion_length": Metric("data=generate", "the mean number of completion tokens (the stop token included)"),
+    "stopped_fraction": Metric("data=generate", "the fraction of completions that ended with a stop token rather "
+                               "than at `rollout.max_new_tokens`"),
+}
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -31,13 +31,22 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlcli.errors import UserError
+from rlcli.modules.metrics import Metric
 from rlcli.modules.registry import Registry
 
-__all__ = ["DEFAULT_REWARDS", "REWARDS", "RewardSet", "RewardTerm", "build_rewards"]
+__all__ = ["DEFAULT_REWARDS", "METRICS", "REWARDS", "RewardSet", "RewardTerm", "build_rewards"]
 
 log = logging.getLogger("rlcli")
 
 RewardFn = Callable[..., float]
+
+# `RewardSet.take_stats`: the task's statistics of the completions scored since the last call
+METRICS = {
+    "reward/<name>": Metric("task=prompts (a task with `take_reward_stats`)", "each reward term's mean raw value "
+                            "(unweighted, a failure as 0) over the step's completions; one column per term"),
+    "reward_errors": Metric("task=prompts (a task with `take_reward_stats`)", "failures of reward terms (a raise, "
+                            "or a value that is not a finite number; scored 0) on the step's completions"),
+}
 
 DEFAULT_REWARDS: tuple[dict[str, Any], ...] = ({"name": "math_verify"},)
 """The rewards of a prompts task without ``task.rewards``."""

@@ -9,7 +9,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlcli.errors import UserError
+from rlcli.modules.metrics import Metric
 from rlcli.training import distributed
+
+METRICS = {
+    "empty_steps": Metric("always", "steps so far with no labelled token (`T = 0`): no update"),
+    "bad_steps": Metric("always", "steps so far skipped for a non-finite loss or gradient norm"),
+}
 
 
 class TrainingDiverged(UserError):
@@ -68,6 +74,10 @@ class UpdateGuard:
             )
         scheduler.step()
         return grad_norm
+
+    def counts(self) -> dict[str, int]:
+        """The steps skipped so far, by kind (`METRICS`)."""
+        return {"empty_steps": self.empty_steps, "bad_steps": self.bad_steps}
 
     def state_dict(self) -> dict:
         return {"empty_steps": self.empty_steps, "bad_steps": (self.bad_steps, self.consecutive_bad_steps)}

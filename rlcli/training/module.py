@@ -19,7 +19,7 @@ from rlcli.callbacks.metrics import StepMetricsCallback
 from rlcli.conf.schema import TrainerConfig
 from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
-from rlcli.modules.metrics import MetricPartials, finalize_metrics
+from rlcli.modules.metrics import Metric, MetricPartials, finalize_metrics
 from rlcli.training import distributed
 from rlcli.training.batches import BatchPlan, UpdatePlan
 from rlcli.training.guard import UpdateGuard
@@ -29,6 +29,15 @@ from rlcli.training.plan import UpdateTotals, mean_over_ranks, passes, plan_upda
 from rlcli.training.sources import StepSource
 
 FIRST_COLUMNS = ("loss", "num_documents", "documents_seen", "num_tokens", "grad_norm", "lr")  # then by name
+METRICS = {
+    "loss": Metric("always", "`L = Σ_t w_t ℓ_t`: the step loss, summed over micro-batches and processes"),
+    "documents_seen": Metric("always", "the running sum of `num_documents` (restored on resume)"),
+    "grad_norm": Metric("always", "the gradient's norm before clipping (`trainer.grad_clip`); 0 in an empty step"),
+    "lr": Metric("always", "the learning rate of this step's update"),
+    "carried_documents": Metric("trainer.docs_per_step_mode=exact (data=rollouts or stream)",
+                                "documents of the step's last fetch given back to the front of the stream "
+                                "(0 on a batch's later updates)"),
+}
 
 
 class PolicyModule(L.LightningModule):
@@ -146,8 +155,7 @@ class PolicyModule(L.LightningModule):
         metrics["grad_norm"] = self.guard.apply(optimizer, self.lr_schedulers(), self.scorer, float(metrics["loss"]),
                                                 int(plan.totals.tokens.item()), self.steps_done, self.device)
         self.source.after_update(self.steps_done)
-        metrics |= {"documents_seen": self.documents_seen, "empty_steps": self.guard.empty_steps,
-                    "bad_steps": self.guard.bad_steps, "lr": lr}
+        metrics |= {"documents_seen": self.documents_seen, "lr": lr} | self.guard.counts()
         metrics |= mean_over_ranks(update.stats, self.device)
         if update.carried_over is not None:
             metrics["carried_documents"] = update.carried_over

@@ -11,6 +11,7 @@ import torch
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
+from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import computes_advantages, group_estimators
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.samplers import build_sampler
@@ -20,6 +21,12 @@ from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
 if TYPE_CHECKING:
     from rlcli.conf.schema import TrainConfig
+
+
+METRICS = {
+    "weight_sync_time": Metric("data=generate, rollout.engine=vllm", "seconds to copy the policy's weights into "
+                               "the colocated vLLM engine before the step's sampling"),
+}
 
 
 class OnPolicySource(StepSource):

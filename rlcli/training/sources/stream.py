@@ -15,6 +15,7 @@ import torch
 
 from rlcli.conf import build_target
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
+from rlcli.modules.metrics import Metric
 from rlcli.stream.connection import connect
 from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
@@ -23,6 +24,20 @@ from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
 if TYPE_CHECKING:
     from rlcli.conf.schema import TrainConfig
+
+
+METRICS = {
+    "staleness_mean": Metric("data=stream", "`Σ_d (v − s_d) / D`: the mean staleness of the step's documents (all "
+                             "processes), with the trainer at version `v` and document d sampled by version `s_d`"),
+    "staleness_max": Metric("data=stream", "`max_d (v − s_d)`: the largest staleness of the step's documents"),
+    "stale_dropped": Metric("data=stream", "records dropped so far for a staleness above `data.max_lag`"),
+    "queue_depth": Metric("data=stream", "records pushed and not yet trained or dropped (unread by the group, "
+                          "plus read ahead by the processes)"),
+    "wait_time": Metric("data=stream", "seconds the process waited on an empty stream while it built the step "
+                        "(mean over processes)"),
+    "reward": Metric("data=stream, records that carry a reward", "the mean reward of the step's records that "
+                     "carry one"),
+}
 
 
 class StreamSource(StepSource):
