@@ -7,19 +7,20 @@ import os
 import signal
 import sys
 
-USAGE = """usage: rlcli <command> [args]
-
-commands:
-  train [HYDRA OVERRIDES]   train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)
-  sample [HYDRA OVERRIDES]  a sampler of the live loop: pushes rollouts into the stream at data.url
-  loop [HYDRA OVERRIDES]    the live loop on this machine: Redis, sample.workers samplers and the trainer
-  eval MODEL_DIR [HYDRA OVERRIDES]
-                            evaluate a model directory on the task: reward, pass@1, pass@k (eval.samples)
-  data check FILE...        validate rollout files and print a summary
-  stream push FILE... --url URL
-                            push rollout files into a Redis stream (`rlcli train data=stream` reads it)
-  report PATH [--out DIR]   plots of a run, or plots and a comparison table of a sweep
-"""
+# (usage, what it does) of each command, for `rlcli --help` and the docs' CLI reference
+COMMAND_HELP = (
+    ("train [HYDRA OVERRIDES]", "train a policy (Hydra app: `rlcli train --help`, `--cfg job`, `-m` sweeps)"),
+    ("sample [HYDRA OVERRIDES]", "a sampler of the live loop: pushes rollouts into the stream at data.url"),
+    ("loop [HYDRA OVERRIDES]", "the live loop on this machine: Redis, sample.workers samplers and the trainer"),
+    ("eval MODEL_DIR [HYDRA OVERRIDES]",
+     "evaluate a model directory on the task: reward, pass@1, pass@k (eval.samples)"),
+    ("data check FILE...", "validate rollout files and print a summary"),
+    ("stream push FILE... --url URL", "push rollout files into a Redis stream (`rlcli train data=stream` reads it)"),
+    ("report PATH [--out DIR]", "plots of a run, or plots and a comparison table of a sweep"),
+)
+USAGE = "usage: rlcli <command> [args]\n\ncommands:\n" + "".join(
+    f"  {usage:<24}  {what}\n" if len(usage) <= 24 else f"  {usage}\n{'':28}{what}\n" for usage, what in COMMAND_HELP
+)
 
 
 def _hydra_app(name: str, args: list[str]) -> int:
@@ -69,14 +70,19 @@ def _eval(args: list[str]) -> int:
     return _hydra_app("eval", overrides)
 
 
-def _data(args: list[str]) -> int:
+def data_parser() -> argparse.ArgumentParser:
+    """The parser of `rlcli data`."""
     parser = argparse.ArgumentParser(prog="rlcli data", description="Rollout file tools.")
     sub = parser.add_subparsers(dest="action", required=True)
     check = sub.add_parser("check", help="check rollout files against the record rules and print a summary")
     check.add_argument("files", nargs="+", help=".jsonl or .parquet files or globs")
     check.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
     check.add_argument("--max-tokens", type=int, default=None, help="reject longer documents")
-    options = parser.parse_args(args)
+    return parser
+
+
+def _data(args: list[str]) -> int:
+    options = data_parser().parse_args(args)
 
     from rich.console import Console
 
@@ -85,9 +91,10 @@ def _data(args: list[str]) -> int:
     return data_check(options.files, vocab_size=options.vocab_size, max_tokens=options.max_tokens, console=Console())
 
 
-def _stream(args: list[str]) -> int:
+def stream_parser() -> argparse.ArgumentParser:
+    """The parser of `rlcli stream`."""
     from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
-    from rlcli.stream.push import push_files, train_advantage
+    from rlcli.stream.push import train_advantage
     from rlcli.stream.records import DEFAULT_STREAM
 
     advantage = train_advantage()
@@ -103,9 +110,14 @@ def _stream(args: list[str]) -> int:
     push.add_argument("--eps", type=float, default=advantage.eps,
                       help="the eps of grpo's (r - mean) / (std + eps) (default: rlcli train's advantage.eps, "
                       f"{advantage.eps})")
-    options = parser.parse_args(args)
+    return parser
+
+
+def _stream(args: list[str]) -> int:
+    options = stream_parser().parse_args(args)
 
     from rlcli.errors import UserError
+    from rlcli.stream.push import push_files
 
     try:
         push_files(options.files, options.url, options.stream, options.advantage, options.eps, out=sys.stdout)
@@ -115,13 +127,18 @@ def _stream(args: list[str]) -> int:
     return 0
 
 
-def _report(args: list[str]) -> int:
+def report_parser() -> argparse.ArgumentParser:
+    """The parser of `rlcli report`."""
     parser = argparse.ArgumentParser(
         prog="rlcli report", description="Plot a run's metrics; plot and tabulate the members of a multirun."
     )
     parser.add_argument("path", help="a run directory (with metrics.csv) or a multirun directory (rlcli train -m)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write the files into DIR instead of PATH")
-    options = parser.parse_args(args)
+    return parser
+
+
+def _report(args: list[str]) -> int:
+    options = report_parser().parse_args(args)
 
     from rich.console import Console
 
