@@ -19,7 +19,7 @@ class Section(NamedTuple):
 # Every module that declares columns of metrics.csv, in the page's order. A metric declared "always"
 # belongs to the first section, whichever module computes it.
 SECTIONS = (
-    Section("Every step", "Every row has these, whatever the config.",
+    Section("Every step", "Every row has the metrics marked always, whatever the config.",
             ("rlcli.training.module", "rlcli.training.guard")),
     Section("Loss metrics",
             "With `metrics=basic` (the default) or `metrics=with_entropy`, which logs every `basic` metric too; "
@@ -46,9 +46,10 @@ SECTIONS = (
             "(../concepts/math.md#the-live-loops-bookkeeping)).",
             ("rlcli.training.sources.stream", "rlcli.callbacks.publish")),
     Section("Evaluation during training",
-            "With `eval.every=N`: `eval.samples` completions of each eval prompt, sampled as `rollout.*` says and "
-            "scored by the task; the mean over prompts, in the rows of steps N, 2N, … only. `rlcli eval MODEL_DIR` "
-            "reports the same metrics without the `eval/` prefix ([pass@k](../concepts/math.md#rewards-and-passk)).",
+            "With `eval.every=N`: `k = eval.samples` completions of each eval prompt, `c` of them correct, sampled "
+            "as `rollout.*` says and scored by the task; the mean over prompts, in the rows of steps N, 2N, … "
+            "only. `rlcli eval MODEL_DIR` reports the same metrics without the `eval/` prefix "
+            "([pass@k](../concepts/math.md#rewards-and-passk)).",
             ("rlcli.callbacks.evaluate",)),
 )
 ALWAYS = "always"
