@@ -9,16 +9,12 @@ expected columns a run did not write (a run that no longer exercises what it is 
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 from factories import make_arithmetic_dataset, make_tiny_qwen2
 from rlcli.commands.train import train
+from tools.docgen.metrics import declared, matches
 from train_helpers import compose_train_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ is not installed
-
-from tools.docgen.metrics import declared, matches  # noqa: E402
 
 
 def columns(run_dir: Path) -> set[str]:

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import live_loop, lm_head, stream_queue, throughput  # noqa: E402
+from benchmarks import live_loop, lm_head, stream_queue, throughput
 
 
 def test_lm_head_matrix_compares_naive_and_chunked(tmp_path, capsys, monkeypatch):

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import lm_head  # noqa: E402
+from benchmarks import lm_head
 
 TINY = dict(tokens=48, hidden=8, vocab=64, repeats=5, warmup=1, dtype="float32", threads=1, doc_tokens=12)
 
