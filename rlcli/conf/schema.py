@@ -46,7 +46,7 @@ class LossConfig:
     its own options, which the validator checks against that class, and how the head scores."""
 
     other_keys: ClassVar[bool] = True  # the options of the loss class: checked by rlcli.conf.validate
-    name: str = described("the policy loss: a registered name (grpo, gspo, gspo_token, cispo, sapo, or your own)")
+    name: str = described("the policy loss: a name in rlcli.modules.LOSSES (a loss group option, or your own)")
     temperature: float = described(
         "the temperature the trainer scores tokens at, and the sampler's (rollout.temperature follows it)",
         **TEMPERATURE)
