@@ -42,12 +42,18 @@ EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LossInputs:
     """The per-token inputs of a loss besides the policy's own log-probs, all ``[N]`` over whole
-    documents, each named by where it comes from. A loss reads only the fields it needs.
+    documents, each named by where it comes from (keywords only). A loss reads only the fields it needs.
 
-    ``proximal_logprobs`` is the ratio's denominator: the sampler's log-probs, or the trainer's own
-    recomputed at the start of the batch (decoupled PPO). ``sampler_logprobs`` (the behaviour
-    policy's, for the mismatch correction) and ``reference_logprobs`` (a reference policy's, for the
-    KL term) are there when a term needs them.
+    Attributes:
+        proximal_logprobs: the ratio's denominator: the sampler's log-probs, or the trainer's own
+            recomputed at the start of the batch (decoupled PPO).
+        advantages: the advantage of each token.
+        mask: 1 for a token that is trained on (labelled), 0 elsewhere.
+        document_index: the document of each token (any integer ids).
+        group_index: the group (prompt) of each token (any integer ids); ``aggregation="prompt_mean"``
+            needs it.
+        sampler_logprobs: the behaviour policy's (the sampler's) log-probs, for the mismatch correction.
+        reference_logprobs: a reference policy's log-probs, for the KL penalty.
     """
 
     proximal_logprobs: torch.Tensor  # [N]
@@ -147,7 +153,16 @@ class PolicyLoss(ABC):
 
     @abstractmethod
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
-        """Per-token losses ``ℓ_t`` ([N], 0 where the mask is 0) and the ratios for the metrics."""
+        """The loss of every token and the ratios the metrics are taken over.
+
+        Args:
+            logprobs: ``[N]`` the policy's log-probs ``lp_t``, with gradient.
+            inputs: the step's other per-token tensors.
+
+        Returns:
+            ``ℓ_t`` (``[N]``, 0 where the mask is 0) and the `RatioUnits` (tokens or documents) of the
+            ratio metrics.
+        """
 
     def clipped(self, ratio: torch.Tensor) -> torch.Tensor | None:
         """``[U] -> [U]`` bool: the units ``clipped_ratio_fraction`` counts; None: no such metric."""
@@ -178,13 +193,23 @@ class ClippedRatioLoss(PolicyLoss):
 
 
 LOSSES: Registry[type[PolicyLoss]] = Registry("loss")
+"""The policy losses by name: grpo, gspo, gspo_token, cispo, sapo and every class registered with
+``@LOSSES.register()``."""
 
 
-def make_loss(loss: str | PolicyLoss = "grpo", **options) -> PolicyLoss:
-    """The loss registered as ``loss`` with the given options, or the instance ``loss`` as is.
+def make_loss(loss: str | PolicyLoss = "grpo", **options: float) -> PolicyLoss:
+    """A loss object from a registered name and options.
 
-    Raises ``ValueError`` for an unknown name, an unknown option or one out of its bounds, and for
-    options given with an instance.
+    Args:
+        loss: a name in `LOSSES`, or a `PolicyLoss` instance (returned as is).
+        **options: the loss class's options (its dataclass fields), e.g. ``eps_low=0.1``.
+
+    Returns:
+        The loss registered as ``loss`` with the given options, or the instance ``loss``.
+
+    Raises:
+        ValueError: an unknown name, an unknown option or one out of its bounds, or options given with
+            an instance.
     """
     if isinstance(loss, PolicyLoss):
         if options:
