@@ -16,7 +16,7 @@ COMMAND_HELP = (
      "evaluate a model directory on the task: reward, pass@1, pass@k (eval.samples)"),
     ("data check FILE...", "validate rollout files and print a summary"),
     ("stream push FILE... --url URL", "push rollout files into a Redis stream (`rlcli train data=stream` reads it)"),
-    ("report PATH [--out DIR]", "plots of a run, or plots and a comparison table of a sweep"),
+    ("report PATH [--out DIR]", "plots of a run; a sweep's members and seed groups compared, with report.html"),
 )
 USAGE = "usage: rlcli <command> [args]\n\ncommands:\n" + "".join(
     f"  {usage:<24}  {what}\n" if len(usage) <= 24 else f"  {usage}\n{'':28}{what}\n" for usage, what in COMMAND_HELP
@@ -130,7 +130,9 @@ def _stream(args: list[str]) -> int:
 def report_parser() -> argparse.ArgumentParser:
     """The parser of `rlcli report`."""
     parser = argparse.ArgumentParser(
-        prog="rlcli report", description="Plot a run's metrics; plot and tabulate the members of a multirun."
+        prog="rlcli report",
+        description="Plot a run's metrics; for a multirun, compare its members and their configurations over seeds "
+        "(mean and 95% interval, report.html)."
     )
     parser.add_argument("path", help="a run directory (with metrics.csv) or a multirun directory (rlcli train -m)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write the files into DIR instead of PATH")

@@ -1,4 +1,5 @@
-"""``rlcli report``: plots of a run's ``metrics.csv``, and a summary table of a Hydra multirun."""
+"""``rlcli report``: plots of a run's ``metrics.csv``; for a Hydra multirun, tables of its members and of its
+configurations over seeds, and ``report.html``."""
 
 from rlcli.report.command import Report, report_command, write_report
 from rlcli.report.runs import ReportError

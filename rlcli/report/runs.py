@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "read_metrics", "read_overrides"]
+__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "read_metrics", "read_objective",
+           "read_overrides"]
 
 
 class ReportError(Exception):
@@ -18,16 +20,19 @@ class ReportError(Exception):
 
 @dataclass
 class Run:
-    """A run directory: its Hydra overrides, its status and its ``metrics.csv`` columns.
+    """A run directory: its Hydra overrides, its status, its ``metrics.csv`` columns and ``objective.json``.
 
     ``metrics`` maps each column (``step`` included) to one float per row, NaN for an empty
-    cell; it is ``None`` when the run has no readable ``metrics.csv``.
+    cell; it is ``None`` when the run has no readable ``metrics.csv``. ``objective`` is
+    ``objective.json`` (``{"metric", "reduce", "direction", "value", ...}``, or ``{"value": null,
+    "failed": reason}``), ``None`` without that file.
     """
 
     path: Path
     overrides: list[str]
     status: str
     metrics: dict[str, list[float]] | None
+    objective: dict | None = None
 
     @property
     def name(self) -> str:
@@ -88,14 +93,29 @@ def read_overrides(run_dir: Path) -> list[str]:
     return [str(o) for o in overrides]
 
 
+def read_objective(run_dir: Path) -> dict | None:
+    """A run's ``objective.json``, ``None`` without that file."""
+    path = run_dir / "objective.json"
+    if not path.is_file():
+        return None
+    try:
+        objective = json.loads(path.read_text())
+    except ValueError as err:
+        raise ReportError(f"{path}: not JSON: {err}") from None
+    if not isinstance(objective, dict) or "value" not in objective:
+        raise ReportError(f"{path}: expected a JSON object with a 'value'")
+    return objective
+
+
 def load_run(run_dir: Path) -> Run:
     """Read one run directory; raises `ReportError` for a file it cannot read."""
     overrides = read_overrides(run_dir)
+    objective = read_objective(run_dir)
     metrics_path = run_dir / "metrics.csv"
     if not metrics_path.is_file():
-        return Run(run_dir, overrides, "no metrics", None)
+        return Run(run_dir, overrides, "no metrics", None, objective)
     status = "done" if (run_dir / "export").is_dir() else "partial"
-    return Run(run_dir, overrides, status, read_metrics(metrics_path))
+    return Run(run_dir, overrides, status, read_metrics(metrics_path), objective)
 
 
 def _load_member(run_dir: Path) -> Run:

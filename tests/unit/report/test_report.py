@@ -168,12 +168,13 @@ def test_multirun_summary_rows_match_the_members_metrics(multirun):
     with (multirun / "summary.csv").open(newline="") as f:
         rows = {row["member"]: row for row in csv.DictReader(f)}
     assert list(rows) == ["0", "1", "2", "3", "10"]
+    groups = {"0": "G1", "10": "G5"}  # every member is a configuration of its own, numbered in member order
     for name in MEMBERS:
-        assert numbers(rows[name]) == expected_row(name)
+        assert numbers(rows[name]) == {**expected_row(name), "group": groups.get(name, f"G{int(name) + 1}")}
     assert rows["0"]["reward_final"] == "0.3"  # the last non-empty reward
     assert rows["2"]["status"] == "no metrics"
     assert rows["2"]["overrides"] == "loss=grpo aggregation=constant trainer.max_steps=4"
-    assert {v for k, v in rows["2"].items() if k not in ("member", "status", "overrides")} == {""}
+    assert {v for k, v in rows["2"].items() if k not in ("member", "status", "overrides", "group")} == {""}
     assert rows["3"]["status"].startswith("unreadable: ")
     assert "metrics.csv:2: column 'loss': 'abc' is not a number" in rows["3"]["status"]
 
@@ -186,7 +187,7 @@ def test_multirun_summary_rows_match_the_members_metrics(multirun):
 
     printed = con.file.getvalue()
     assert "no metrics" in printed and "unreadable" in printed
-    assert "wrote summary.csv and summary.md" in printed
+    assert "wrote summary.csv, summary.md, groups.csv and report.html" in printed
 
 
 def test_legend_labels_show_the_overrides_that_differ(multirun):
@@ -214,7 +215,7 @@ def test_cli_writes_into_out_dir(multirun, tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["summary.csv", "summary.md"] + [f"report_{m}.png" for m in ALL_PLOTS])
+        ["summary.csv", "summary.md", "groups.csv", "report.html"] + [f"report_{m}.png" for m in ALL_PLOTS])
     assert not list(multirun.glob("report_*.png")) and not list(multirun.glob("summary.*"))
     for metric in ALL_PLOTS:
         assert_png(out / f"report_{metric}.png")
