@@ -7,9 +7,10 @@ import json
 from html import escape
 from pathlib import Path
 
+from rlcli.manifest import ALWAYS_DIFFERENT, manifest_differences
 from rlcli.report.completions import last_completions
 from rlcli.report.group_summary import GroupReport
-from rlcli.report.manifests import NOT_COMPARED, differences, read_manifest
+from rlcli.report.manifests import read_manifest
 from rlcli.report.runs import ReportError
 from rlcli.report.summary import NOTE, Summary, cell_text
 
@@ -67,13 +68,13 @@ def _manifests(groups: GroupReport) -> str:
             missing.append(run.name)
         else:
             manifests[run.name] = manifest
-    parts = [f"<p class='note'>Not compared: {escape('; '.join(f'{k} ({why})' for k, why in NOT_COMPARED.items()))}."
-             "</p>"]
+    parts = [f"<p class='note'>Not compared, as they differ between the members of any sweep: "
+             f"{escape(', '.join(ALWAYS_DIFFERENT))}.</p>"]
     if missing:
         parts.append(f"<p>Members without manifest.json: {escape(', '.join(missing))}.</p>")
     parts += [f"<p>Unreadable: {escape(line)}</p>" for line in unreadable]
     if len(manifests) >= 2:
-        found = differences(manifests)
+        found = manifest_differences(manifests)
         if not found:
             parts.append(f"<p>The {len(manifests)} manifests agree on every compared key.</p>")
         else:
@@ -81,7 +82,7 @@ def _manifests(groups: GroupReport) -> str:
             for key, values in found.items():
                 by_value: dict[str, list[str]] = {}
                 for member, value in values.items():
-                    by_value.setdefault(value, []).append(member)
+                    by_value.setdefault("(absent)" if value is None else json.dumps(value), []).append(member)
                 cell = "<br>".join(f"{escape(v)} <span class='note'>(members {escape(', '.join(m))})</span>"
                                    for v, m in by_value.items())
                 rows.append(f"<tr><td>{escape(key)}</td><td>{cell}</td></tr>")
