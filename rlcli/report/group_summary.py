@@ -34,6 +34,10 @@ class GroupReport:
     def notes(self) -> list[str]:
         """What the tables mean, and the pairs of equal groups with the reason."""
         lines = [INTERVALS]
+        if OBJECTIVE in self.metrics:
+            kinds = dict.fromkeys(f"{o.get('metric')} ({o.get('reduce')}, {o.get('direction')})"
+                                  for g in self.groups for o in (r.objective for r in g.members) if o and "metric" in o)
+            lines.append(f"objective = the value in the members' objective.json: {'; '.join(kinds) or '?'}.")
         if self.compared:
             metric, maximize = self.compared
             lines.append(f"P(improvement) of X over Y = P(x {'>' if maximize else '<'} y) + P(x = y)/2 over every pair "
