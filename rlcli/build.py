@@ -12,11 +12,12 @@ from omegaconf import DictConfig
 
 from rlcli.callbacks.checkpoint import StepCheckpoint
 from rlcli.callbacks.checkpoint_io import RunDirCheckpointIO
+from rlcli.callbacks.completions import CompletionsLog
 from rlcli.callbacks.console import RichConsole
 from rlcli.callbacks.documents import DocumentsLog
 from rlcli.callbacks.evaluate import PeriodicEval, build_periodic_eval
 from rlcli.callbacks.metrics import LogMetrics
-from rlcli.callbacks.off_policy import OffPolicyWarning
+from rlcli.callbacks.off_policy import OffPolicyWarning, RatioAtOneWarning
 from rlcli.callbacks.preemption import StopOnSignal
 from rlcli.callbacks.publish import WeightPublisher
 from rlcli.callbacks.resume import RunIdentity
@@ -45,13 +46,14 @@ def build_user_callbacks(specs: list[dict]) -> list[L.Callback]:
 
 def build_callbacks(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, run: RunIdentity,
                     evaluation: PeriodicEval | None) -> list[L.Callback]:
-    """The run's callbacks, in the order Lightning calls them: the step's row and documents are written
-    before its checkpoint; the weights are published after every other callback, at the start and the
-    end of training as within a step."""
+    """The run's callbacks, in the order Lightning calls them: the step's row, documents and completions
+    are written before its checkpoint; the weights are published after every other callback, at the
+    start and the end of training as within a step."""
     checkpoint = StepCheckpoint(run_dir / "checkpoints", cfg.trainer.checkpoint_every, run)
     publisher = build_publisher(cfg, run_dir)
     return [
-        LogMetrics(), DocumentsLog(run_dir / "documents.jsonl"), OffPolicyWarning(cfg.loss.temperature),
+        LogMetrics(), DocumentsLog(run_dir / "documents.jsonl"), CompletionsLog(run_dir / "completions.jsonl"),
+        OffPolicyWarning(cfg.loss.temperature), RatioAtOneWarning(),
         checkpoint, StopOnSignal(checkpoint), RichConsole(resolved, run_dir), *([evaluation] if evaluation else []),
         *build_user_callbacks(cfg.callbacks), *([publisher] if publisher else []),
     ]

@@ -4,6 +4,7 @@ one), fsync, and one clear message when the storage refuses a file (`StorageErro
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -67,3 +68,20 @@ def keep_lines(path: Path, count: int) -> None:
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.is_file() else []
     replace_text(path, "".join(lines[:count]))
+
+
+def keep_steps(path: Path, step: int) -> None:
+    """Cut a JSON-lines file of ``{"step": N, ...}`` lines back to those of steps up to ``step``, atomically
+    (a resumed run trains the later steps again); a torn last line (a killed run) goes too."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = []
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except ValueError:  # the torn last line of a killed run
+                break
+    replace_text(path, "".join(kept))

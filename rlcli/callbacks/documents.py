@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from rlcli.storage import replace_text
+from rlcli.storage import keep_steps
 from rlcli.training import distributed
 
 
@@ -45,14 +45,4 @@ class DocumentsLog(L.Callback):
     def resume_at(self, step: int) -> None:
         """Keep the lines of steps up to ``step`` (rewritten atomically); later steps are trained again."""
         self._continue = True
-        if not self.path.is_file():
-            return
-        kept = []
-        with self.path.open(encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line)
-                except ValueError:  # the torn last line of a killed run
-                    break
-        replace_text(self.path, "".join(kept))
+        keep_steps(self.path, step)

@@ -147,6 +147,9 @@ class RolloutDataConfig:
         "an invalid record is an error, or is skipped and written to rejected.jsonl in the run directory")
     allow_temperature_mismatch: bool = described(
         "train on records sampled at a temperature other than loss.temperature")
+    log_completions: int = described(
+        "documents of each step written with their token ids to completions.jsonl, one of each group in turn "
+        "(0: off)", ge=0)
 
 
 @dataclass
@@ -215,6 +218,9 @@ class RolloutConfig:
     engine: Literal[ENGINES.names()] = described(
         "the sampler: hf (rlcli's built-in sampler) or vllm (a vLLM engine; make setup-vllm)")
     save: bool = described("data=generate: also write the rollouts to <run dir>/rollouts.jsonl (a rollout file)")
+    log_completions: int = described(
+        "rollouts of each step (each sampler round) written with their text to completions.jsonl, one of each "
+        "group in turn (0: off)", ge=0)
     stop: list[Union[str, int]] = described(
         "stop strings and token ids that end a completion (kept in it), besides eos")
     vllm: Any = described(

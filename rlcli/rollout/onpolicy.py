@@ -16,6 +16,7 @@ import torch
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
+from rlcli.rollout.completions import pick, text_row
 from rlcli.rollout.sampler import Sampler
 
 __all__ = ["METRICS", "OnPolicyRollouts", "step_seed"]
@@ -88,6 +89,13 @@ class OnPolicyRollouts:
         mean ``reward``, ``accuracy`` (fraction exactly correct), mean ``completion_length`` and
         ``stopped_fraction`` (completions that ended with eos), and the task's
         ``take_reward_stats()`` where it has one (``reward/<name>``, ``reward_errors``)."""
+        rollouts, stats, _ = self.generate_logged(step, 0)
+        return rollouts, stats
+
+    def generate_logged(self, step: int, log_completions: int) -> tuple[list[Rollout], dict[str, float], list[dict]]:
+        """`generate`, and the lines of ``completions.jsonl`` for ``log_completions`` of the rollouts
+        (`rlcli.rollout.completions`): decoded text and, from a task with ``reward_terms``, each
+        term's value."""
         step_rng = random.Random(step_seed(self.seed, step, self.rank))
         prompts = self.task.sample_prompts(step_rng, self.prompts_per_step)
         generator = torch.Generator().manual_seed(step_rng.getrandbits(63))
@@ -105,6 +113,8 @@ class OnPolicyRollouts:
         advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps)
         sources = [f"rollout:step {step} rank {self.rank} #{i}" for i in range(len(completions))]
         check_in_float32(advantages, sources, self.estimator)
+        lines = [self._completion_line(owners[i], completions[i], rewards[i], advantages[i], group_ids[i])
+                 for i in pick(group_ids, log_completions)]  # before `take_reward_stats` forgets the terms
 
         first_index = (step * self.world_size + self.rank) * self.documents_per_step
         vocab_size = self.sampler.vocab_size
@@ -130,4 +140,12 @@ class OnPolicyRollouts:
         }
         if hasattr(self.task, "take_reward_stats"):  # per-term means of a task's RewardSet
             stats.update(self.task.take_reward_stats())
-        return rollouts, stats
+        return rollouts, stats, lines
+
+    def _completion_line(self, prompt: Any, completion: Any, reward: float, advantage: float,
+                         group_id: str) -> dict:
+        decode = self.task.tokenizer.decode
+        terms = self.task.reward_terms(prompt, completion.ids) if hasattr(self.task, "reward_terms") else {}
+        return text_row(prompt=decode(prompt.ids), completion=decode(completion.ids), rewards=terms, reward=reward,
+                        advantage=advantage, length=len(completion.ids), stopped=completion.stopped,
+                        group_id=group_id)

@@ -314,6 +314,11 @@ class PromptsTask:
         text, context = self._score_args(prompt, completion_ids)
         return self.rewards.is_correct(text, **context)
 
+    def reward_terms(self, prompt: Prompt, completion_ids: Sequence[int]) -> dict[str, float]:
+        """Each reward term's raw value on the completion, by name (``completions.jsonl``)."""
+        text, context = self._score_args(prompt, completion_ids)
+        return self.rewards.term_values(text, **context)
+
     def take_reward_stats(self) -> dict[str, float]:
         """``reward/<name>`` and ``reward_errors`` since the last call (`RewardSet.take_stats`)."""
         return self.rewards.take_stats()

@@ -239,6 +239,11 @@ class RewardSet:
             values.append(value)
         return values, failed
 
+    def _recent_values(self, completion: str, answer: Any, prompt: str, fields: Mapping[str, Any] | None) -> tuple:
+        """The values of a recent `score` of the same completion, else computed without recording."""
+        values = self._remembered.get((completion, repr(answer), prompt))
+        return values if values is not None else tuple(self._values(completion, answer, prompt, fields or {})[0])
+
     def score(self, completion: str, *, answer: Any, prompt: str, fields: Mapping[str, Any] | None = None) -> float:
         """The weighted sum of the terms on ``completion``, recorded for `take_stats`."""
         values, failed = self._values(completion, answer, prompt, fields or {})
@@ -257,11 +262,15 @@ class RewardSet:
         whether every term reaches its best value (1, or 0 for ``length_penalty``): then, with
         positive weights, the sum is its maximum. Reuses the values of a recent `score` of the
         same completion, else computes them without recording."""
-        values = self._remembered.get((completion, repr(answer), prompt))
-        if values is None:
-            values = self._values(completion, answer, prompt, fields or {})[0]
+        values = self._recent_values(completion, answer, prompt, fields)
         judged = [(t, v) for t, v in zip(self.terms, values) if t.decides] or list(zip(self.terms, values))
         return all(value >= term.best for term, value in judged)
+
+    def term_values(self, completion: str, *, answer: Any, prompt: str,
+                    fields: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Each term's raw value by name (a failure as 0), as `is_correct` finds them."""
+        values = self._recent_values(completion, answer, prompt, fields)
+        return {term.name: value for term, value in zip(self.terms, values)}
 
     def take_stats(self) -> dict[str, float]:
         """``reward/<name>``: each term's mean raw value (unweighted, failures as 0) over the

@@ -17,6 +17,8 @@ and optionally:
   in a fixed order; without it, evaluation draws prompts with ``sample_prompts`` and a fixed seed;
 - ``take_reward_stats() -> dict[str, float]``: statistics of the rewards given since the last call
   (e.g. ``reward/<name>``), logged with each step's;
+- ``reward_terms(prompt, completion_ids) -> dict[str, float]``: the value of each term of the reward
+  on one completion, by name, shown in ``completions.jsonl`` (``rollout.log_completions``);
 - ``OPTION_DOCS: dict[str, str]``, a class attribute: a one-line description of each keyword of its
   constructor (its ``task.*`` keys), which ``rlcli train --help`` and the config reference show.
 

@@ -5,15 +5,18 @@
 holds, and waits while the trainer is too far behind (back-pressure). A round samples
 ``rollout.prompts_per_step`` prompts x ``rollout.group_size`` completions, scores them, computes
 group advantages and pushes the records in one batch, each with a unique ``id`` and the
-``policy_version`` it was sampled with.
+``policy_version`` it was sampled with; ``rollout.log_completions`` of them, with their text, are
+appended to ``completions`` (the sampler's ``completions.jsonl``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
@@ -36,7 +39,8 @@ class SamplerWorker:
 
     ``task`` is built from the ``task`` group; ``stop()`` is checked between rounds and while waiting.
     Every process draws a random token: its record ids, group ids and sampling seed include it, so a
-    restarted sampler never repeats the records of the one before it.
+    restarted sampler never repeats the records of the one before it. ``completions``: the file that
+    each round's lines of ``completions.jsonl`` are appended to (None: none written).
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class SamplerWorker:
         worker: int,
         stop: Callable[[], bool] = lambda: False,
         trust_remote_code: bool = False,
+        completions: Path | None = None,
     ) -> None:
         self.conn = conn
         self.task = task
@@ -61,6 +66,7 @@ class SamplerWorker:
         self.sample = sample
         self.worker = worker
         self.stop = stop
+        self.completions = completions
         self.token = secrets.token_hex(4)
         self.seed = step_seed(seed, int(self.token, 16), worker)  # `seed` mixed with the process's token
         self.writer = StreamWriter(conn.url, data.stream, key="data.url")
@@ -143,7 +149,8 @@ class SamplerWorker:
 
     def _push_round(self) -> None:
         round_ = self.rounds
-        rollouts, stats = self.rollouts.generate(round_)
+        log_completions = self.rollout.log_completions if self.completions is not None else 0
+        rollouts, stats, lines = self.rollouts.generate_logged(round_, log_completions)
         prefix = f"{self.worker}-{self.token}-{round_}"
         records = []
         for i, rollout in enumerate(rollouts):
@@ -152,7 +159,18 @@ class SamplerWorker:
                           policy_version=self.version)
             records.append(record)
         self.writer.push_many(records)
+        self._log_completions(round_, lines)
         log.info("sampler %d: round %d: v%d, reward %.3f, pushed %d records, %d unread", self.worker, round_,
                  self.version, stats["reward"], len(records),
                  unread(self.conn, self.data.stream, self.data.group))
         self.rounds += 1
+
+    def _log_completions(self, round_: int, lines: list[dict]) -> None:
+        """Append the round's lines, with the weights' version and the group ids of the pushed records."""
+        if not lines:
+            return
+        with self.completions.open("a", encoding="utf-8") as handle:
+            for line in lines:
+                line = {"round": round_, "policy_version": self.version, **line,
+                        "group_id": f"{self.token}-{line['group_id']}"}
+                handle.write(json.dumps(line) + "\n")

@@ -34,6 +34,7 @@ class CollectedBatch:
     micro_batches: list[MicroBatch]  # this rank's
     carried_over: int | None = None  # documents given back to the streams (docs_per_step exact mode; else None)
     stats: dict[str, float] = field(default_factory=dict)  # this rank's rollout statistics (on-policy)
+    completions: list[dict] = field(default_factory=list)  # this rank's lines of completions.jsonl
 
 
 def _give_back_share(counts: list[int], surplus: int, rank: int) -> int:

@@ -78,6 +78,7 @@ class PolicyModule(L.LightningModule):
         self.shard = shard
         self.source: StepSource | None = None
         self.batch: BatchPlan | None = None  # the batch whose updates are being made
+        self.completions: list[dict] = []  # the lines of completions.jsonl of a batch not yet trained on
         self.batches_done = 0  # batches taken from the source
         self.steps_done = 0  # training steps, including those with nothing to train on
         self.documents_seen = 0
@@ -118,6 +119,7 @@ class PolicyModule(L.LightningModule):
                 carried_over=collected.carried_over,
             )
             add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference)
+            self.completions = collected.completions
             self.batches_done += 1
         return self.batch.next_update()
 
@@ -138,8 +140,10 @@ class PolicyModule(L.LightningModule):
         return total, partials
 
     def training_step(self, tick, batch_idx) -> dict | None:
-        """One optimizer update; returns ``{"step": N, "metrics": row, "documents": ids}`` (the row the
-        same on every rank, ``ids`` this rank's documents), or None once every rank is out of data."""
+        """One optimizer update; returns ``{"step": N, "metrics": row, "documents": ids, "completions":
+        lines}`` (the row the same on every rank, ``ids`` this rank's documents, ``lines`` this rank's
+        lines of ``completions.jsonl``: those of its batch on the batch's first update, else none), or
+        None once every rank is out of data."""
         update = self._next_update()
         if update is None:
             self.trainer.should_stop = True  # every rank has used up its data
@@ -164,7 +168,12 @@ class PolicyModule(L.LightningModule):
                 metrics |= callback.step_metrics(self.trainer, self)
         names = [*FIRST_COLUMNS, *sorted(k for k in metrics if k not in FIRST_COLUMNS)]
         return {"step": self.steps_done, "metrics": {k: float(metrics[k]) for k in names},
-                "documents": [doc.name for batch in update.micro_batches for doc in batch.documents]}
+                "documents": [doc.name for batch in update.micro_batches for doc in batch.documents],
+                "completions": self._take_completions()}
+
+    def _take_completions(self) -> list[dict]:
+        completions, self.completions = self.completions, []
+        return completions
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Everything beyond Lightning's state that a resumed run needs, from every rank."""

@@ -13,6 +13,7 @@ from rlcli.data.readers import check_temperature, load_rollouts, write_rejection
 from rlcli.data.schema import Rollout
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.rollout.advantages import apply_advantage_estimator
+from rlcli.rollout.completions import ids_row, pick
 from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
@@ -20,19 +21,26 @@ log = logging.getLogger("rlcli")
 
 
 class RolloutFileSource(StepSource):
-    """This rank's share of the rollout files; a batch is a number of micro-batches or documents."""
+    """This rank's share of the rollout files; a batch is a number of micro-batches or documents, and
+    carries the lines of ``completions.jsonl`` (token ids) for ``log_completions`` of them."""
 
-    def __init__(self, stream: DocumentStream, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
+    def __init__(self, stream: DocumentStream, *, accumulate_microbatches: int, docs_per_step: int, exact: bool,
+                 log_completions: int = 0):
         self.stream = stream
         self.accumulate_microbatches = accumulate_microbatches
         self.docs_per_step = docs_per_step
         self.exact = exact
+        self.log_completions = log_completions
 
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
-        return collect_batch(
+        collected = collect_batch(
             self.stream, accumulate_microbatches=self.accumulate_microbatches,
             docs_per_step=self.docs_per_step, exact=self.exact, device=device,
         )
+        documents = [doc for batch in collected.micro_batches for doc in batch.documents]
+        collected.completions = [ids_row(documents[i])
+                                 for i in pick([doc.group_id for doc in documents], self.log_completions)]
+        return collected
 
     def state_dict(self) -> dict:
         return self.stream.state_dict()
@@ -90,6 +98,7 @@ class RolloutsKind(DataKind):
             return RolloutFileSource(
                 stream, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
                 docs_per_step=cfg.trainer.docs_per_step, exact=cfg.trainer.docs_per_step_mode == "exact",
+                log_completions=cfg.data.log_completions,
             )
 
         return make_source

@@ -32,16 +32,19 @@ METRICS = {
 class OnPolicySource(StepSource):
     """Each batch samples fresh groups from the current policy (all of them form the batch). With
     ``save_to`` the rollouts are also written there; the checkpoint holds how many, so a resumed run
-    cuts the file back to them and a fresh one starts it anew: no record is written twice."""
+    cuts the file back to them and a fresh one starts it anew: no record is written twice. Each batch
+    also carries the lines of ``completions.jsonl`` for ``log_completions`` of its rollouts."""
 
-    def __init__(self, rollouts: OnPolicyRollouts, *, max_tokens: int, save_to: Path | None = None):
+    def __init__(self, rollouts: OnPolicyRollouts, *, max_tokens: int, save_to: Path | None = None,
+                 log_completions: int = 0):
         self.rollouts = rollouts
         self.max_tokens = max_tokens
         self.save_to = save_to
+        self.log_completions = log_completions
         self.saved: int | None = None  # records written to save_to; None: not started yet
 
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
-        documents, stats = self.rollouts.generate(index)
+        documents, stats, completions = self.rollouts.generate_logged(index, self.log_completions)
         if self.rollouts.sampler.sync_seconds is not None:  # a colocated vLLM engine's
             stats["weight_sync_time"] = self.rollouts.sampler.sync_seconds
         if self.save_to is not None:
@@ -50,7 +53,7 @@ class OnPolicySource(StepSource):
                 self.saved = 0
             append_jsonl(documents, self.save_to)
             self.saved += len(documents)
-        return CollectedBatch(list(pack_documents(documents, self.max_tokens)), stats=stats)
+        return CollectedBatch(list(pack_documents(documents, self.max_tokens)), stats=stats, completions=completions)
     # prompts and samples derive from (seed, batch index, rank): nothing else to keep
 
     def state_dict(self) -> dict:
@@ -113,6 +116,6 @@ class GenerateKind(DataKind):
             )
             name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"
             return OnPolicySource(generator, max_tokens=cfg.data.max_tokens,
-                                  save_to=self.run_dir / name if r.save else None)
+                                  save_to=self.run_dir / name if r.save else None, log_completions=r.log_completions)
 
         return make_source

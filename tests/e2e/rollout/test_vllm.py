@@ -210,6 +210,25 @@ def test_train_with_a_colocated_engine_starts_on_policy_and_learns(engine, tmp_p
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.15
 
 
+def test_train_with_a_colocated_engine_logs_readable_completions(engine, tmp_path):
+    """completions.jsonl of a vLLM-sampled run: the first rollout of each group of rollouts.jsonl (same run),
+    decoded by the task's tokenizer."""
+    from rlcli.commands.train import train
+
+    train(compose_train_config(["rollout.engine=vllm", f"loss.temperature={TEMPERATURE}", "trainer.max_steps=2",
+                                "rollout.prompts_per_step=2", "rollout.log_completions=2", "rollout.save=true"]),
+          tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    firsts = {}
+    for record in records:
+        firsts.setdefault(record["group_id"], record)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1, 1, 2, 2]
+    assert [(line["prompt"], line["completion"]) for line in logged] == [
+        (TASK.tokenizer.decode(firsts[line["group_id"]]["prompt_ids"]),
+         TASK.tokenizer.decode(firsts[line["group_id"]]["completion_ids"])) for line in logged]
+
+
 @pytest.mark.slow
 def test_loop_with_a_vllm_sampler_streams_on_policy_records(engine, tmp_path):
     done = run_command(tmp_path, "loop", "rollout.engine=vllm", f"loss.temperature={TEMPERATURE}",

@@ -47,15 +47,15 @@ def announce(conn, version: int, path: Path | None, documents_seen: int = 0, fin
 
 
 def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False,
-                engine: str = "hf"):
+                engine: str = "hf", completions: Path | None = None):
     data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
-                            temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, stop=[],
-                            vllm={"dtype": "float32", "enforce_eager": True})
+                            temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, log_completions=2,
+                            stop=[], vllm={"dtype": "float32", "enforce_eager": True})
     return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
                          data=data, sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
-                         stop=stop)
+                         stop=stop, completions=completions)
 
 
 def stream_records(conn) -> list[dict]:
@@ -115,6 +115,31 @@ def test_rounds_push_valid_records_with_grpo_advantages_and_sampler_logprobs(red
         for record, advantage in zip(group, reference):
             assert record["advantages"] == pytest.approx([advantage] * len(record["completion_ids"]), abs=1e-12)
     worker.close()
+
+
+def test_each_round_appends_the_text_of_one_record_of_each_group(redis_url, tmp_path):
+    """The sampler's completions.jsonl: per round the first pushed record of each group, decoded by the
+    task's tokenizer, with the weights' version; a wrong record, text or version fails it."""
+    conn = connect(redis_url)
+    announce(conn, 3, save_policy(tmp_path / "v3", seed=0))
+    worker = make_worker(redis_url, completions=tmp_path / "completions.jsonl")
+    worker.run(max_rounds=2)
+    worker.close()
+    tokenizer = ReverseTask().tokenizer
+    firsts = {}
+    for record in stream_records(conn):
+        firsts.setdefault(record["group_id"], record)
+    logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in logged] == [0, 0, 1, 1]  # log_completions=2 of PROMPTS=2 groups a round
+    assert len({line["group_id"] for line in logged}) == 4
+    for line in logged:
+        record = firsts[line["group_id"]]
+        assert line["policy_version"] == 3
+        assert line["prompt"] == tokenizer.decode(record["prompt_ids"])
+        assert line["completion"] == tokenizer.decode(record["completion_ids"])
+        assert (line["reward"], line["advantage"], line["length"]) == (
+            record["reward"], record["advantages"][0], len(record["completion_ids"]))
+        assert line["stopped"] == (record["completion_ids"][-1] == tokenizer.eos_id)
 
 
 def test_a_new_announcement_is_loaded_before_the_next_round(redis_url, tmp_path):
