@@ -46,7 +46,8 @@ def _same_curve(a: dict[float, float], b: dict[float, float]) -> bool:
 def _equal_metrics(first: Group, second: Group) -> list[str]:
     """The metrics compared when every seed's curves are equal, else ``[]``."""
     by_seed = [dict(zip(g.seeds, g.members)) for g in (first, second)]
-    if len(by_seed[0]) != len(first.members) or by_seed[0].keys() != by_seed[1].keys():
+    repeated = any(len(seeds) != len(g.members) for seeds, g in zip(by_seed, (first, second)))
+    if repeated or by_seed[0].keys() != by_seed[1].keys():
         return []  # different (or repeated) seeds: nothing to compare seed by seed
     pairs = [(a, by_seed[1][seed]) for seed, a in by_seed[0].items()]
     if any(a.metrics is None or b.metrics is None for a, b in pairs):

@@ -52,7 +52,7 @@ class Group:
 
     @property
     def label(self) -> str:
-        return " ".join(self.overrides) or "(no overrides but seed)"
+        return " ".join(self.overrides) or "(no overrides besides seed)"
 
     def finals_of(self, metric: str) -> list[float]:
         """One final value per member that has one."""

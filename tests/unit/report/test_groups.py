@@ -194,3 +194,14 @@ def test_different_curves_are_not_flagged(tmp_path, change):
     write_report(tmp_path, console=con)
     assert equal_pairs(group_runs(runs_of(tmp_path), [])) == []
     assert "EQUAL" not in con.file.getvalue() and "EQUAL" not in (tmp_path / "report.html").read_text()
+
+
+def test_group_tables_and_the_flag_fit_a_narrow_console(tmp_path):
+    """At 60 columns the group table turns into one block per group, and the EQUAL line wraps; no line is wider."""
+    base = {0: on_policy([0.1, 0.3, 0.5], [0.2, -0.1, 0.05]), 1: on_policy([0.2, 0.2, 0.4], [0.3, 0.1, -0.2])}
+    sweep(tmp_path, base)
+    con = Console(file=io.StringIO(), width=60, color_system=None)
+    write_report(tmp_path, console=con)
+    printed = con.file.getvalue()
+    assert max(len(line.rstrip()) for line in printed.splitlines()) <= 60
+    assert "G1  0 1  loss=grpo" in printed and "EQUAL: G1 and G2" in " ".join(printed.split())
