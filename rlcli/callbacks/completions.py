@@ -23,7 +23,7 @@ def flat(line: dict) -> dict:
     """A line with one column per value: ``rewards`` as ``reward/<name>``, token ids as text."""
     columns = {}
     for key, value in line.items():
-        if isinstance(value, dict):
+        if key == "rewards":
             columns |= {f"reward/{name}": term for name, term in value.items()}
         else:
             columns[key] = json.dumps(value) if isinstance(value, list) else value
