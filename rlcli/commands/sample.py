@@ -55,8 +55,8 @@ class StopSignals:
             signal.signal(number, handler)
 
 
-def sample(cfg: DictConfig) -> int:
-    """Run one sampler as ``cfg`` says; returns the exit code."""
+def sample(cfg: DictConfig, run_dir: Path) -> int:
+    """Run one sampler as ``cfg`` says, its ``completions.jsonl`` in ``run_dir``; returns the exit code."""
     import torch
 
     from rlcli.conf import build_target
@@ -74,7 +74,7 @@ def sample(cfg: DictConfig) -> int:
     worker = SamplerWorker(
         conn, task, rollout=typed.rollout, advantage=typed.advantage, data=typed.data, sample=typed.sample,
         seed=typed.seed, worker=index, stop=lambda: signals.received is not None,
-        trust_remote_code=getattr(typed.model, "trust_remote_code", False),
+        trust_remote_code=getattr(typed.model, "trust_remote_code", False), completions=run_dir / "completions.jsonl",
     )
     try:
         outcome = worker.run()
@@ -90,4 +90,4 @@ def sample(cfg: DictConfig) -> int:
 
 @hydra_app("sample")
 def app(cfg: DictConfig, run_dir: Path) -> int:
-    return sample(cfg)
+    return sample(cfg, run_dir)

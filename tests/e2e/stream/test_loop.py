@@ -4,6 +4,7 @@ started, and a short run trains with two samplers and ends cleanly."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import signal
@@ -99,6 +100,10 @@ def test_loop_trains_with_two_samplers_and_ends_with_the_trainer(tmp_path):
     for i in range(2):
         assert f"sampler {i} exited with code 0" in output
         assert "trainer finished" in (run / f"sampler-{i}" / "sample.log").read_text()
+        logged = [json.loads(line) for line in (run / f"sampler-{i}" / "completions.jsonl").read_text().splitlines()]
+        assert logged and all(line["prompt"].endswith(">") and isinstance(line["policy_version"], int)
+                              for line in logged)  # the reverse task's prompts, as text; rollout.log_completions=4
+        assert {line["round"] for line in logged} == set(range(len(logged) // 4))
     assert "trainer exited with code 0" in output
     url = re.search(r"Redis at (redis://\S+)", output).group(1)
     with pytest.raises(redis.ConnectionError):  # the loop's server is stopped
