@@ -42,7 +42,7 @@ def _member_labels(runs: list[Run]) -> list[str]:
 
 
 def _group_markdown(groups: GroupReport) -> list[str]:
-    lines = ["", "## Groups (members with the same overrides but seed)", "", *markdown_table(groups.table), ""]
+    lines = ["", "## Groups (members with the same overrides apart from seed)", "", *markdown_table(groups.table), ""]
     lines += [line for note in groups.notes() for line in (note, "")]
     if groups.improvement is not None:
         lines += ["## Probability of improvement", "", *markdown_table(groups.improvement)]
@@ -63,7 +63,7 @@ def _write_groups(path: Path, runs: list[Run], member_plots: list[Path], out_dir
     write_markdown(summary, out_dir / "summary.md", title, _group_markdown(groups))
     write_html(out_dir / "report.html", title, groups, summary, group_plots, member_plots)
     print_summary(summary, title, console)
-    print_summary(groups.table, f"{len(found)} groups (members with the same overrides but seed)", console,
+    print_summary(groups.table, f"{len(found)} groups (members with the same overrides apart from seed)", console,
                   "\n".join(groups.notes()))
     if groups.improvement is not None:
         print_summary(groups.improvement, "Probability of improvement", console, "")

@@ -126,7 +126,7 @@ def write_html(path: Path, title: str, groups: GroupReport, members: Summary, gr
         "<h2>Probability of improvement</h2>" + _table(groups.improvement, sortable=False))
     body = [
         f"<h1>{escape(title)}</h1>",
-        "<h2>Groups (members with the same overrides but seed)</h2>",
+        "<h2>Groups (members with the same overrides apart from seed)</h2>",
         "<p class='note'>Click a column's header to sort by it.</p>",
         _table(groups.table), notes, improvement,
         "<h2>Curves: mean over seeds, 95% band</h2>" + _images(group_plots) if group_plots else "",

@@ -38,7 +38,7 @@ def test_report_of_a_seeded_sweep_groups_the_seeds_and_flags_equal_losses(tmp_pa
         assert row["equal_to"] in ("G1", "G2") and row["equal_to"] != row["group"]
 
     printed = " ".join(report.stdout.split())
-    assert "2 groups (members with the same overrides but seed)" in printed
+    assert "2 groups (members with the same overrides apart from seed)" in printed
     assert "EQUAL: G1 and G2" in printed and "trainer.minibatches > 1" in printed
     html = (tmp_path / "report" / "report.html").read_text()
     assert "EQUAL: G1 and G2" in html and "data:image/png;base64," in html
