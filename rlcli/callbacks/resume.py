@@ -23,9 +23,10 @@ log = logging.getLogger("rlcli")
 
 STEP_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")
 # config keys a resumed run may change (each with the keys below it): how long to train, how often
-# to save, what to log and where the samplers are; every other difference is refused
+# to save, what to log, what to optimise and where the samplers are; every other difference is refused
 SAFE_TO_CHANGE = ("resume", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_bad_steps", "logger",
-                  "eval.every", "callbacks", "allow_targets", "data.url", "data.wait_warning", "data.idle_timeout")
+                  "eval.every", "objective", "callbacks", "allow_targets", "data.url", "data.wait_warning",
+                  "data.idle_timeout")
 
 
 @dataclass(frozen=True)

@@ -12,25 +12,50 @@ each with its description (`rlcli.conf.describe`); ``--hydra-help`` is Hydra's o
 The exit code tells the config from the run: 2 for a config that does not compose or is rejected (the
 task's `UserError`), for a run directory that cannot be made and for a file the storage refuses;
 `CLUSTER_FAILURE` when Slurm did not run a sweep through; otherwise the task's own code.
+
+A task may return a `Score` (exit code 0): the value Hydra's optimising sweepers (``hydra/sweeper=optuna``)
+optimise. Under such a sweeper a member that fails raises `MemberFailed` instead of exiting: the sweeper
+records a failed trial and goes on within its failure budget (``hydra.sweeper.max_failure_rate``). Hydra's
+basic sweeper and a single run keep the exit codes.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from rlcli.conf import quiet_local_config_folder  # (and the config's resolvers)
+from rlcli.conf.sweepers import register_sweepers
 from rlcli.errors import CLUSTER_FAILURE, ClusterError, UserError
 from rlcli.storage import REFUSED_BY_STORAGE
 
-Task = Callable[[DictConfig, Path], int | None]  # the exit code; None: 0
+log = logging.getLogger("rlcli")
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # Hydra's default: a grid, no values
+
+
+@dataclass(frozen=True)
+class Score:
+    """A task's end with exit code 0 and a value for Hydra's optimising sweepers (`rlcli train`'s
+    objective), or None with the reason it has none."""
+
+    value: float | None
+    failed: str | None = None
+
+
+Task = Callable[[DictConfig, Path], int | Score | None]  # the exit code (None: 0), or a Score
+
+
+class MemberFailed(Exception):
+    """A member of an optimising sweep that failed, in one line naming its run directory and why."""
 
 
 def hydra_app(command: str) -> Callable[[Task], HydraApp]:
@@ -62,13 +87,14 @@ class HydraApp:
             return 2
 
         @functools.wraps(self.task)  # Hydra names the job after the task's module: its log is <module>.log
-        def job(cfg: DictConfig) -> None:
-            self._job(cfg)
+        def job(cfg: DictConfig) -> float | None:
+            return self._job(cfg)
 
         main = hydra.main(config_path="pkg://rlcli.conf", config_name="config", version_base="1.3")(job)
         sys.argv = [sys.argv[0], *args]
         quiet_local_config_folder()
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises what fails before the task, for us to report
+        register_sweepers()
         self.started = False
         try:
             main()
@@ -79,6 +105,10 @@ class HydraApp:
         except ClusterError as err:  # the driver of a Slurm sweep
             print(f"rlcli {self.command}: error: {err}", file=sys.stderr)
             return CLUSTER_FAILURE
+        except MemberFailed as err:  # an optimising sweeper's failure budget is spent: it raises a failure
+            print(f"rlcli {self.command}: error: the sweep stopped, more members failed than "
+                  f"hydra.sweeper.max_failure_rate allows; {err}", file=sys.stderr)
+            return 2
         except Exception as err:
             if self.started:
                 raise
@@ -91,6 +121,7 @@ class HydraApp:
         from rlcli.conf.describe import compose, help_text
 
         overrides = [arg for arg in args if not arg.startswith("-")]
+        register_sweepers()
         try:
             cfg = compose(overrides, with_hydra=True)
         except Exception as err:
@@ -99,15 +130,63 @@ class HydraApp:
         print(help_text(self.command, cfg), end="")
         return 0
 
-    def _job(self, cfg: DictConfig) -> None:
-        """One run of the task (each member of a sweep is one), in the run directory Hydra made."""
+    def _job(self, cfg: DictConfig) -> float | None:
+        """One run of the task (each member of a sweep is one), in the run directory Hydra made; its
+        `Score`'s value, for the sweeper."""
         from hydra.core.hydra_config import HydraConfig
 
         self.started = True
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        if _optimising(HydraConfig.get()):
+            return self._member(cfg, run_dir)
         with _exit_on_user_error(self.command):
-            code = self.task(cfg, Path(HydraConfig.get().runtime.output_dir))
-        if code:
-            sys.exit(code)
+            result = self.task(cfg, run_dir)
+        if isinstance(result, Score):
+            return result.value
+        if result:
+            sys.exit(result)
+        return None
+
+    def _member(self, cfg: DictConfig, run_dir: Path) -> float:
+        """A member of an optimising sweep: its value, or `MemberFailed` saying why it has none. An error
+        that is no user's (a bug) goes to the sweeper as it is, its traceback in the member's log."""
+        try:
+            result = self.task(cfg, run_dir)
+        except Exception as err:
+            reason = user_error(err)
+            if reason is None:
+                log.exception("rlcli %s failed", self.command)
+                raise
+            raise MemberFailed(f"{run_dir}: {one_line(reason)}") from None
+        if not isinstance(result, Score):
+            raise MemberFailed(f"{run_dir}: exit code {result}" if result else
+                               f"{run_dir}: rlcli {self.command} gives no value to optimise")
+        if result.value is None:
+            raise MemberFailed(f"{run_dir}: {result.failed}")
+        return result.value
+
+
+def _optimising(hydra_cfg: DictConfig) -> bool:
+    """Whether the job is a member of a sweep whose sweeper optimises its value (Optuna, Ax, Nevergrad:
+    every sweeper but Hydra's basic one)."""
+    from hydra.types import RunMode
+
+    return hydra_cfg.mode == RunMode.MULTIRUN and hydra_cfg.sweeper._target_ != BASIC_SWEEPER
+
+
+def user_error(err: Exception) -> str | None:
+    """The message of an error that is the user's to fix: a `UserError`, or a file the storage refused
+    (``FILE: what the system said``); None for any other error."""
+    if isinstance(err, UserError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno in REFUSED_BY_STORAGE and err.filename is not None:
+        return f"{err.filename}: {err.strerror}"
+    return None
+
+
+def one_line(message: str) -> str:
+    """A message of several lines (a config's problems) as one."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 @contextmanager
@@ -116,13 +195,11 @@ def _exit_on_user_error(command: str) -> Iterator[None]:
     ``rlcli <command>: error: ...`` on stderr and exit 2."""
     try:
         yield
-    except UserError as err:
-        print(f"rlcli {command}: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as err:
-        if err.errno not in REFUSED_BY_STORAGE or err.filename is None:
+    except Exception as err:
+        message = user_error(err)
+        if message is None:
             raise
-        print(f"rlcli {command}: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        print(f"rlcli {command}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import rlcli.conf  # noqa: F401  (the config's resolvers)
-from rlcli.commands.app import hydra_app
+from rlcli.commands.app import Score, hydra_app, one_line, user_error
 
 log = logging.getLogger("rlcli")
 
@@ -88,20 +88,44 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
 
 
 @hydra_app("train")
-def app(cfg: DictConfig, run_dir: Path) -> int | None:
-    """`rlcli train`: the run with its signals; at a time limit, the job handed over to its requeue. The exit
-    code: the stopping signal's on rank 0, 0 on the other ranks, so that no launcher kills rank 0 first."""
+def app(cfg: DictConfig, run_dir: Path) -> int | Score:
+    """`rlcli train`: the run with its signals; at a time limit, the job handed over to its requeue. On rank 0,
+    the stopping signal's exit code, or the run's objective (written to objective.json, a failure too); 0 on
+    the other ranks, so that no launcher kills rank 0 first."""
+    from rlcli.manifest import is_rank_zero
+    from rlcli.objective import record_failure
     from rlcli.processes import wait_for_launched
     from rlcli.signals import RunSignals
     from rlcli.slurm.requeue import requeue
 
     with RunSignals(at_time_limit=requeue):  # before the heavy imports: signals act from here on
-        module = train(cfg, run_dir)
+        try:
+            module = train(cfg, run_dir)
+        except Exception as err:
+            if is_rank_zero():
+                record_failure(run_dir, one_line(user_error(err) or f"{type(err).__name__}: {err}"))
+            raise
         wait_for_launched(module.trainer)  # the processes rank 0 started end before it does
     from rlcli.callbacks.preemption import stop_code
     from rlcli.signals import EXIT_CODES, TIME_LIMIT
 
     code = stop_code(module.trainer)
+    if code is not None and module.global_rank == 0:
+        record_failure(run_dir, f"stopped by a signal (exit code {code}) after step {module.steps_done}")
     if code == EXIT_CODES[TIME_LIMIT]:
         requeue(signal.getsignal(TIME_LIMIT))  # the handler in force before the run's, back now
-    return code if module.global_rank == 0 else 0
+    if module.global_rank != 0:
+        return 0
+    return code if code is not None else _score(cfg, run_dir)
+
+
+def _score(cfg: DictConfig, run_dir: Path) -> Score:
+    """The objective of the finished run, written to ``run_dir/objective.json`` (the reason if it has none)."""
+    from rlcli.conf.schema import ObjectiveConfig
+    from rlcli.objective import NoObjective, write_objective
+
+    spec = ObjectiveConfig(**OmegaConf.to_container(cfg.objective, resolve=True))
+    try:
+        return Score(write_objective(run_dir, spec))
+    except NoObjective as err:
+        return Score(None, str(err))

@@ -154,6 +154,16 @@ def aggregation_divisor(cfg: TrainConfig, command: str) -> Iterator[str]:
         yield f"aggregation.divisor: only valid with aggregation=constant, not {name!r}"
 
 
+@rule("objective", commands=TRAINING)
+def objective_last_k(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``last_k`` is the window of mean_last, and of no other reduction."""
+    reduce, last_k = cfg.objective.reduce, cfg.objective.last_k
+    if reduce == "mean_last" and last_k is None:
+        yield "objective.last_k: is required for objective.reduce=mean_last (objective=mean_last sets it)"
+    if reduce != "mean_last" and last_k is not None:
+        yield f"objective.last_k: only valid with objective.reduce=mean_last, not {reduce!r}"
+
+
 @rule("model", "trainer", commands=TRAINING)
 def mixed_precision_weights(cfg: TrainConfig, command: str) -> Iterator[str]:
     """Autocast computes from float32 weights (and float16 gradients break its steps)."""

@@ -21,6 +21,7 @@ from rlcli.modules.aggregation import DIVISOR
 from rlcli.modules.bounds import TEMPERATURE
 from rlcli.modules.losses import make_loss
 from rlcli.modules.regularizers import TERM_COEF
+from rlcli.objective import DIRECTIONS, REDUCTIONS
 from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
 from rlcli.rollout.samplers import ENGINES
 from rlcli.rollout.vllm_engine import OPTION_DOCS as VLLM_OPTIONS
@@ -361,6 +362,23 @@ class LoggerConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """The number `rlcli train` writes to objective.json and hands Hydra's optimising sweepers (Optuna, ...):
+    one metrics.csv column, reduced over the steps that logged it."""
+
+    metric: str = described("the metrics.csv column, e.g. reward, accuracy or eval/pass@1")
+    reduce: Literal[REDUCTIONS] = described(
+        "final (the last logged value), best (the largest, or smallest with direction=minimize) or mean_last "
+        "(the mean of the last last_k); the option of this group")
+    last_k: Optional[int] = described(
+        "objective=mean_last: how many of the last logged values to average (fewer if fewer were logged); "
+        "null for the other reductions", ge=1)
+    direction: Literal[DIRECTIONS] = described(
+        "maximize or minimize: which value is best, for reduce=best and for the sweeper (hydra.sweeper.direction "
+        "follows it)")
+
+
+@dataclass
 class TrainConfig:
     seed: int = described("seeds the model, the data order and the sampling", ge=0, le=SEED_MAX)
     resume: Optional[str] = described(
@@ -388,3 +406,4 @@ class TrainConfig:
     strategy: Union[AutoStrategyConfig, DDPStrategyConfig, FSDPStrategyConfig, FSDP2StrategyConfig] = described(
         "the distributed strategy")
     logger: LoggerConfig = described("the loggers besides metrics.csv")
+    objective: ObjectiveConfig = described("the run's objective, for Hydra's optimising sweepers")

@@ -37,8 +37,8 @@ def test_every_group_option_composes_and_validates(overrides):
         assert on == set(option.strip("[]").split(",")) - {"csv", "none"}
     else:
         node = getattr(cfg, group)
-        assert option in (getattr(node, "name", None), getattr(node, "level", None), getattr(node, "kind", None)) \
-            or group == "trainer"
+        assert option in (getattr(node, "name", None), getattr(node, "level", None), getattr(node, "kind", None),
+                          getattr(node, "reduce", None)) or group == "trainer"
 
 
 def problems_of(overrides: list[str]) -> list[str]:
@@ -64,6 +64,11 @@ def problems_of(overrides: list[str]) -> list[str]:
         ("aggregation=constant aggregation.divisor=inf", "aggregation.divisor: must be a finite number"),
         ("aggregation=constant aggregation.divisor=null", "aggregation.divisor: is required for aggregation=constant"),
         ("aggregation.divisor=4", "aggregation.divisor: only valid with aggregation=constant"),
+        ("objective=final objective.last_k=5", "objective.last_k: only valid with objective.reduce=mean_last"),
+        ("objective.last_k=null", "objective.last_k: is required for objective.reduce=mean_last"),
+        ("objective.last_k=0", "objective.last_k: must be >= 1"),
+        ("objective.reduce=last", "objective.reduce: must be one of"),
+        ("objective.direction=up", "objective.direction: must be one of"),
         ("trainer.max_steps=abc", "trainer.max_steps: expected int"),
         ("trainer.max_steps=0", "trainer.max_steps: must be >= 1"),
         ("trainer.precision=8-true", "trainer.precision: must be one of"),
