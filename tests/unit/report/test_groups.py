@@ -136,6 +136,20 @@ def test_groups_csv_holds_the_scipy_interval_and_the_objective(tmp_path):
     assert list(rows) == ["G1", "G2"]  # best first
 
 
+def test_iqm_column_appears_with_four_seeds(tmp_path):
+    """Four seeds of one configuration: groups.csv's reward_iqm is the mean of the middle two (hand-derived
+    from [0.1, 0.2, 0.3, 0.9]: 0.25), and the group table gets a 'reward IQM' column; one seed has no IQM."""
+    for i, reward in enumerate([0.3, 0.9, 0.1, 0.2]):
+        write_member(tmp_path / str(i), ["loss=grpo", f"seed={i}"], on_policy([reward], [0.0]))
+    write_member(tmp_path / "4", ["loss=gspo", "seed=0"], on_policy([0.5], [0.0]))
+    write_report(tmp_path, console=Console(file=io.StringIO(), width=300))
+    with (tmp_path / "groups.csv").open(newline="") as f:
+        rows = {row["group"]: row for row in csv.DictReader(f)}
+    assert float(rows["G1"]["reward_iqm"]) == pytest.approx(0.25)
+    assert rows["G2"]["reward_iqm"] == "" and rows["G2"]["reward_ci_low"] == ""  # 1 seed: no interval either
+    assert "| reward IQM |" in (tmp_path / "summary.md").read_text()
+
+
 # -- equal curves ----------------------------------------------------------------------------------------------
 
 
