@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+from fault_injection import FAULTS_ENV, callbacks_override
 from omegaconf import OmegaConf
 
 from train_helpers import run_rlcli
@@ -16,12 +17,13 @@ from train_helpers import run_rlcli
 TINY = ["trainer.max_steps=2", "hydra.sweep.dir=sweep"]
 
 
-def grad_clip_study(seed: int) -> list[str]:
-    """Two trials of Optuna's random sampler over grad_clip in [-1, 1] (a negative one is a config error), up to
-    half of them allowed to fail."""
+def two_trials(seed: int, space: str) -> list[str]:
+    """A study of two trials of Optuna's random sampler (``seed``) over ``space``, half of them allowed to fail."""
     return ["hydra/sweeper=optuna", "hydra/sweeper/sampler=random", f"hydra.sweeper.sampler.seed={seed}",
-            "hydra.sweeper.n_trials=2", "hydra.sweeper.max_failure_rate=0.5", "trainer.grad_clip=interval(-1.0,1.0)",
-            *TINY]
+            "hydra.sweeper.n_trials=2", "hydra.sweeper.max_failure_rate=0.5", space, *TINY]
+
+
+GRAD_CLIP = "trainer.grad_clip=interval(-1.0,1.0)"  # a negative draw is a config error
 
 
 def logged(run_dir, metric: str) -> list[tuple[int, float]]:
@@ -79,7 +81,7 @@ def test_a_failing_member_is_a_failed_trial_and_the_study_goes_on(tmp_path, laun
     """Optuna's random sampler (seed 1) draws grad_clip -0.166 then 0.441: the first is a config error. The study
     ends with that trial failed (its reason logged in one line, and in its objective.json) and the other's
     objective as the best; fails if a member's failure exits the study or its value does not come back."""
-    result = run_rlcli(["train", "-m", *launcher, *grad_clip_study(seed=1)], cwd=tmp_path)
+    result = run_rlcli(["train", "-m", *launcher, *two_trials(1, GRAD_CLIP)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     clips = {m: float(next(o for o in OmegaConf.load(m / ".hydra" / "overrides.yaml") if "grad_clip" in o)
@@ -94,10 +96,27 @@ def test_a_failing_member_is_a_failed_trial_and_the_study_goes_on(tmp_path, laun
     assert results.best_params["trainer.grad_clip"] == clips[trained]
 
 
+@pytest.mark.slow
+def test_a_member_stopped_by_non_finite_losses_is_a_failed_trial(tmp_path):
+    """The loss is NaN at step 2 of every trial; seed 0 draws max_bad_steps 5 (the step is skipped, the run
+    ends) then 1 (the run stops): that member is a failed trial with the guard's reason, the other is the best."""
+    result = run_rlcli(["train", "-m", *two_trials(0, "trainer.max_bad_steps=choice(1,5)"),
+                        *callbacks_override("NanLossAt", step=2, rank=0)], cwd=tmp_path, extra_env=FAULTS_ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained, failed = members(tmp_path / "sweep")
+    reason = "training stopped at step 2: 1 steps in a row with a non-finite loss or gradient"
+    assert objective_json(failed)["value"] is None and objective_json(failed)["failed"].startswith(reason)
+    assert f"Failed experiment: {failed}: {reason}" in result.stdout + result.stderr
+    rewards = [v for _, v in logged(trained, "reward")]
+    assert objective_json(trained)["value"] == pytest.approx(math.fsum(rewards) / len(rewards), rel=1e-12)
+    assert OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml").best_value == \
+        objective_json(trained)["value"]
+
+
 def test_failures_beyond_the_budget_stop_the_study_with_one_message(tmp_path):
     """Seed 2 draws two negative grad_clips: both members fail, beyond max_failure_rate=0.5; the study stops with
     exit 2 and rlcli's one-line error, no traceback (fails if the sweeper's raise escapes as a traceback)."""
-    result = run_rlcli(["train", "-m", *grad_clip_study(seed=2)], cwd=tmp_path)
+    result = run_rlcli(["train", "-m", *two_trials(2, GRAD_CLIP)], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "rlcli train: error: the sweep stopped, more members failed than hydra.sweeper.max_failure_rate " \
            "allows; " in result.stderr
