@@ -131,27 +131,53 @@ class HydraApp:
         return 0
 
     def _job(self, cfg: DictConfig) -> float | None:
-        """One run of the task (each member of a sweep is one), in the run directory Hydra made; its
-        `Score`'s value, for the sweeper."""
+        """One run of the task (each member of a sweep is one), in the run directory Hydra made, recorded in
+        its ``manifest.json`` from start to end; its `Score`'s value, for the sweeper."""
         from hydra.core.hydra_config import HydraConfig
+
+        from rlcli.manifest import finish_manifest
 
         self.started = True
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        if _optimising(HydraConfig.get()):
-            return self._member(cfg, run_dir)
+        status = "failed"
+        try:
+            value = self._member(cfg, run_dir) if _optimising(HydraConfig.get()) else self._run(cfg, run_dir)
+            status = "done"
+            return value
+        except SystemExit as exit:  # a user error's exit carries the error as its context
+            reason = user_error(exit.__context__) if isinstance(exit.__context__, Exception) else None
+            status = f"failed: {one_line(reason)}" if reason else f"exited with code {exit.code}"
+            raise
+        except Exception as err:
+            status = f"failed: {one_line(user_error(err) or f'{type(err).__name__}: {err}')}"
+            raise
+        finally:
+            finish_manifest(run_dir, status)
+
+    def _run(self, cfg: DictConfig, run_dir: Path) -> float | None:
+        """A single run, or a member of Hydra's basic sweep: its exit code is the process's."""
         with _exit_on_user_error(self.command):
-            result = self.task(cfg, run_dir)
+            result = self._task(cfg, run_dir)
         if isinstance(result, Score):
             return result.value
         if result:
             sys.exit(result)
         return None
 
+    def _task(self, cfg: DictConfig, run_dir: Path) -> int | Score | None:
+        """The command's task, after its start is recorded in ``run_dir/manifest.json``."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from rlcli.manifest import write_manifest
+
+        write_manifest(run_dir, self.command, list(HydraConfig.get().overrides.task))
+        return self.task(cfg, run_dir)
+
     def _member(self, cfg: DictConfig, run_dir: Path) -> float:
         """A member of an optimising sweep: its value, or `MemberFailed` saying why it has none. An error
         that is no user's (a bug) goes to the sweeper as it is, its traceback in the member's log."""
         try:
-            result = self.task(cfg, run_dir)
+            result = self._task(cfg, run_dir)
         except Exception as err:
             reason = user_error(err)
             if reason is None:
