@@ -7,11 +7,10 @@ import json
 from html import escape
 from pathlib import Path
 
-from rlcli.manifest import ALWAYS_DIFFERENT, manifest_differences
+from rlcli.manifest import ALWAYS_DIFFERENT, MANIFEST, manifest_differences
 from rlcli.report.completions import last_completions
 from rlcli.report.group_summary import GroupReport
-from rlcli.report.manifests import read_manifest
-from rlcli.report.runs import ReportError
+from rlcli.report.runs import ReportError, read_json_object
 from rlcli.report.summary import NOTE, Summary, cell_text
 
 __all__ = ["write_html"]
@@ -60,7 +59,7 @@ def _manifests(groups: GroupReport) -> str:
     manifests, missing, unreadable = {}, [], []
     for run in (run for group in groups.groups for run in group.members):
         try:
-            manifest = read_manifest(run)
+            manifest = read_json_object(run.path / MANIFEST)
         except ReportError as err:
             unreadable.append(f"{run.name}: {err}")
             continue

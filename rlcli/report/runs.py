@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "read_metrics", "read_objective",
-           "read_overrides"]
+__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "read_json_object", "read_metrics",
+           "read_objective", "read_overrides"]
 
 
 class ReportError(Exception):
@@ -93,17 +93,25 @@ def read_overrides(run_dir: Path) -> list[str]:
     return [str(o) for o in overrides]
 
 
-def read_objective(run_dir: Path) -> dict | None:
-    """A run's ``objective.json``, ``None`` without that file."""
-    path = run_dir / "objective.json"
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path`` (a run's ``objective.json``, ``manifest.json``), ``None`` without that file;
+    raises `ReportError` for a file that does not hold one."""
     if not path.is_file():
         return None
     try:
-        objective = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except ValueError as err:
         raise ReportError(f"{path}: not JSON: {err}") from None
-    if not isinstance(objective, dict) or "value" not in objective:
-        raise ReportError(f"{path}: expected a JSON object with a 'value'")
+    if not isinstance(value, dict):
+        raise ReportError(f"{path}: expected a JSON object")
+    return value
+
+
+def read_objective(run_dir: Path) -> dict | None:
+    """A run's ``objective.json``, ``None`` without that file."""
+    objective = read_json_object(run_dir / "objective.json")
+    if objective is not None and "value" not in objective:
+        raise ReportError(f"{run_dir / 'objective.json'}: expected a JSON object with a 'value'")
     return objective
 
 
