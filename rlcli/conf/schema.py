@@ -69,6 +69,9 @@ class KLConfig:
 
     coef: float = described("the KL penalty's weight beta (0: off)", **TERM_COEF)
     estimator: Literal[KL_ESTIMATORS.names()] = described("the estimator k_t of the KL, of delta = ref_lp - lp")
+    ratio_weighted: bool = described(
+        "multiply the KL term by the differentiable ratio r_t = exp(lp - old_lp): with k3 its expected gradient is "
+        "the reverse KL's (TRL's use_bias_correction_kl)")
     reference: str = described(
         "initial (a frozen copy of the starting weights), rollouts (the records' ref_logprobs) or a model path")
 
@@ -79,7 +82,7 @@ class CorrectionConfig:
     log-probs multiply each token's policy loss."""
 
     mode: Literal[CORRECTION_MODES.names()] = described(
-        "none, truncate (w = min(rho, high)) or mask (w = 1 if low <= rho <= high, else 0)")
+        "none, truncate (w = min(rho, high)) or mask (IcePop: w = rho if low <= rho <= high, else 0)")
     level: Literal[CORRECTION_LEVELS.names()] = described(
         "the importance ratio rho per token, per sequence, or the sequence's geometric mean")
     low: float = described("the lower bound of rho that mask keeps", gt=0)

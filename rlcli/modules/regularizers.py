@@ -6,13 +6,15 @@ Per labelled token, with the loss's own ``ℓ_t`` (`PolicyLoss.per_token`), the 
 
 - **KL to a reference** (`KLPenalty`: ``β = coef``, estimator ``k`` with ``δ = ref − lp``:
   k1 = −δ, k2 = δ²/2, k3 = exp(δ) − δ − 1, computed as ``expm1(δ) − δ``); gradient through ``lp``.
+  With ``ratio_weighted`` the term is ``β · r_t · k`` with the loss's ratio ``r_t = exp(lp − old_lp)``,
+  differentiable (for k3 its expected gradient is the reverse KL's, math.md#kl-to-a-reference).
 - **Entropy bonus** (``c = entropy_coef``): ``H_t`` is the entropy of the temperature-scaled
   distribution at the position, with its gradient (the fused head adds it to the head's gradients).
 - **Mismatch correction** (`Correction`): ``w_t`` is the detached importance weight of the
   trainer's log-probs at the start of the batch (``proximal_logprobs``, "prox") over the sampler's
   (``sampler_logprobs``, "behav"): ``log ρ = prox − behav`` per token, summed (``sequence``) or averaged
   (``geometric``) over the labelled tokens of the document; ``truncate``: ``w = min(ρ, high)``,
-  ``mask``: ``w = 1[low ≤ ρ ≤ high]``; computed in log space, so ρ never overflows. Only the
+  ``mask`` (IcePop): ``w = ρ · 1[low ≤ ρ ≤ high]``; computed in log space, so ρ never overflows. Only the
   policy term is weighted (as verl's rollout correction); the KL and entropy terms are not.
 
 The aggregation weights of math.md#aggregation then apply to ``ℓ'_t`` unchanged. Every term is off by default
@@ -63,7 +65,7 @@ METRICS = {
     "mismatch_kl": Metric("correction.mode=truncate or mask", "`μ(k3(prox − behav))`: the k3 estimate of the KL "
                           "between the trainer's log-probs at the start of the batch and the sampler's"),
     "is_weight_mean": Metric("correction.mode=truncate or mask", "`μ(u)`: the document mean of the importance "
-                             "weight `u` (`truncate`: `min(ρ, high)`, `mask`: `1[low ≤ ρ ≤ high]`)"),
+                             "weight `u` (`truncate`: `min(ρ, high)`, `mask`: `ρ·1[low ≤ ρ ≤ high]`)"),
     "is_weight_max": Metric("correction.mode=truncate or mask", "the largest `u_t` over labelled tokens; empty in "
                             "a step with none"),
     "is_masked_fraction": Metric("correction.mode=truncate or mask", "`μ(1[u = 0])`: the document mean of the "
@@ -81,14 +83,19 @@ class KLPenalty:
     Attributes:
         coef: ``β`` (``kl.coef``), ``>= 0``; 0 is off.
         estimator: ``k1``, ``k2`` or ``k3`` (``kl.estimator``), a name of ``KL_ESTIMATORS``.
+        ratio_weighted: the term times the differentiable ratio ``r_t = exp(lp − old_lp)``
+            (``kl.ratio_weighted``; TRL's ``use_bias_correction_kl``).
     """
 
     coef: float = field(default=0.0, metadata=TERM_COEF)
     estimator: str = "k3"
+    ratio_weighted: bool = False
 
     def __post_init__(self):
         check_bounds(self)
         KL_ESTIMATORS[self.estimator]  # an unknown name: the registry's error
+        if not isinstance(self.ratio_weighted, bool):
+            raise ValueError(f"ratio_weighted must be a bool; got {self.ratio_weighted!r}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ class Correction:
     """Training-inference mismatch correction: the policy term times the detached ``w``.
 
     Attributes:
-        mode: ``none`` (off), ``truncate`` (``w = min(ρ, high)``) or ``mask`` (``w = 1[low ≤ ρ ≤ high]``).
+        mode: ``none`` (off), ``truncate`` (``w = min(ρ, high)``) or ``mask`` (IcePop: ``w = ρ · 1[low ≤ ρ ≤ high]``).
         level: ``token`` (``ρ_t``), ``sequence`` (``Π_t ρ_t`` over the document's labelled tokens) or
             ``geometric`` (their geometric mean).
         low: the lower bound, read by ``mask`` only; ``0 < low ≤ high``.
@@ -136,7 +143,7 @@ class ImportanceWeights:
     """The correction of one micro-batch, detached, float64, 0 / False where the mask is 0."""
 
     weight: torch.Tensor  # [N] w_t (w_d broadcast to the tokens of d at the sequence levels)
-    rejected: torch.Tensor  # [N] bool: masked out by ``mode="mask"`` (never in ``truncate``)
+    rejected: torch.Tensor  # [N] bool: weight 0 by ``mode="mask"`` (never in ``truncate``)
 
     def select(self, rows: torch.Tensor) -> ImportanceWeights:
         return ImportanceWeights(self.weight[rows], self.rejected[rows])
@@ -189,7 +196,8 @@ def _truncate(correction: Correction, inputs: LossInputs) -> ImportanceWeights:
 def _mask(correction: Correction, inputs: LossInputs) -> ImportanceWeights:
     log_ratio, labelled = _log_ratio(correction, inputs)
     rejected = (log_ratio < math.log(correction.low)) | (log_ratio > math.log(correction.high))
-    return ImportanceWeights(torch.where(labelled, (~rejected).to(F64), 0.0), rejected & labelled)
+    kept = labelled & ~rejected
+    return ImportanceWeights(torch.exp(torch.where(kept, log_ratio, -math.inf)), rejected & labelled)  # ρ ≤ high
 
 
 def token_losses(
@@ -212,7 +220,10 @@ def token_losses(
     if spec.kl_on:
         # values under the mask may be anything, -inf and NaN included: never read them
         delta = torch.where(labelled, inputs.reference_logprobs.detach().to(logprobs.dtype) - logprobs, 0.0)
-        losses = losses + spec.kl.coef * KL_ESTIMATORS[spec.kl.estimator](delta)
+        kl = KL_ESTIMATORS[spec.kl.estimator](delta)
+        if spec.kl.ratio_weighted:
+            kl = kl * torch.exp(inputs.log_ratio(logprobs))  # r_t, 1 where the mask is 0
+        losses = losses + spec.kl.coef * kl
     if spec.entropy_on:
         losses = losses - spec.entropy_coef * torch.where(labelled, entropy, 0.0)
     return losses, units

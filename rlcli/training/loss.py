@@ -46,7 +46,8 @@ class MicroBatchLoss:
                  correction: CorrectionConfig) -> None:
         self.spec = LossSpec(
             loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=metrics,
-            kl=KLPenalty(coef=kl.coef, estimator=kl.estimator) if kl.coef > 0 else None,
+            kl=KLPenalty(coef=kl.coef, estimator=kl.estimator,
+                         ratio_weighted=kl.ratio_weighted) if kl.coef > 0 else None,
             entropy_coef=loss.entropy_coef,
             correction=None if correction.mode == "none" else Correction(
                 mode=correction.mode, level=correction.level, low=correction.low, high=correction.high),

@@ -25,9 +25,10 @@ AGGREGATIONS = [("token_mean", None), ("sample_mean", None), ("prompt_mean", Non
 DOCS_PER_STEP = 9
 LR = 0.5
 # the loss family's terms, as config overrides and as the arguments of the float64 whole step
-TERM_OVERRIDES = ["kl.coef=0.05", "kl.reference=rollouts", "loss.entropy_coef=0.01", "correction.mode=truncate",
-                  "correction.high=1.5"]
-TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05), entropy_coef=0.01, correction=Correction(mode="truncate", high=1.5))
+TERM_OVERRIDES = ["kl.coef=0.05", "kl.reference=rollouts", "kl.ratio_weighted=true", "loss.entropy_coef=0.01",
+                  "correction.mode=truncate", "correction.high=1.5"]
+TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05, ratio_weighted=True), entropy_coef=0.01,
+                      correction=Correction(mode="truncate", high=1.5))
 
 
 def two_rank_overrides(data, strategy, *extra):

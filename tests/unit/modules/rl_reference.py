@@ -372,10 +372,10 @@ def ref_new_metrics(
 
 # --------------------------------------------------------------------------------------------
 # terms added to any policy loss, written from their formulas:
-#   ℓ'_t = w_t·ℓ_t + β·k(ref_t − lp_t) − c·H_t
+#   ℓ'_t = w_t·ℓ_t + β·k(ref_t − lp_t) − c·H_t   (β·r_t·k with ratio_weighted, r_t = exp(lp_t − old_t))
 #   k1 = −δ, k2 = δ²/2, k3 = exp(δ) − δ − 1
 #   log ρ: token prox_t − behav_t; sequence Σ_{t∈d} (prox − behav); geometric that sum / n_d
-#   truncate: w = min(ρ, high); mask: w = 1[low ≤ ρ ≤ high]  (rejected: not low ≤ ρ ≤ high)
+#   truncate: w = min(ρ, high); mask (IcePop): w = ρ·1[low ≤ ρ ≤ high]  (rejected: not low ≤ ρ ≤ high)
 #   metrics: kl_ref = μ(k3(ref − lp)), mismatch_kl = μ(k3(prox − behav)), is_weight_mean = μ(w),
 #            is_weight_max = max_t w_t, is_masked_fraction = μ(1[rejected])
 # --------------------------------------------------------------------------------------------
@@ -421,7 +421,7 @@ def ref_importance_weights(
                 weight[t] = math.exp(min(log_rho, math.log(high)))
             elif mode == "mask":
                 rejected[t] = not (math.log(low) <= log_rho <= math.log(high))
-                weight[t] = 0.0 if rejected[t] else 1.0
+                weight[t] = 0.0 if rejected[t] else math.exp(log_rho)
             else:
                 raise AssertionError(mode)
     return weight, rejected
@@ -470,6 +470,7 @@ def ref_loss_with_terms(
     ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     estimator: str = "k3",
+    ratio_weighted: bool = False,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     behav: torch.Tensor | None = None,
@@ -478,8 +479,9 @@ def ref_loss_with_terms(
     low: float = 0.5,
     high: float = 2.0,
 ) -> torch.Tensor:
-    """``L = Σ_t w^agg_t (w_t ℓ_t + β k_t − c H_t)`` in float64, differentiable w.r.t. ``lp``, ``old``
-    and ``entropy``; the correction weights ``w_t`` are plain numbers (no gradient)."""
+    """``L = Σ_t w^agg_t (w_t ℓ_t + β k_t − c H_t)`` in float64 (``β r_t k_t`` with ``ratio_weighted``),
+    differentiable w.r.t. ``lp``, ``old`` and ``entropy``; the correction weights ``w_t`` are plain
+    numbers (no gradient)."""
     docs = documents(mask, doc, group)
     agg = ref_document_weights(docs, aggregation=aggregation, divisor=divisor)
     ell = ref_token_policy_losses(lp, old, adv, mask, doc, loss=loss, eps_low=eps_low, eps_high=eps_high)
@@ -490,7 +492,10 @@ def ref_loss_with_terms(
         for t in d.labelled:
             term = ell[t] * (is_weight[t] if mode != "none" else 1.0)
             if kl_coef > 0:
-                term = term + kl_coef * ref_kl_term(ref.to(F64)[t] - lp.to(F64)[t], estimator)
+                kl = ref_kl_term(ref.to(F64)[t] - lp.to(F64)[t], estimator)
+                if ratio_weighted:
+                    kl = kl * torch.exp(lp.to(F64)[t] - old.to(F64)[t])
+                term = term + kl_coef * kl
             if entropy_coef > 0:
                 term = term - entropy_coef * entropy.to(F64)[t]
             total = total + w_agg * term

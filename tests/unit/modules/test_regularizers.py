@@ -49,18 +49,22 @@ TERM_SETS = {
     "kl": dict(kl_coef=0.3),
     "entropy": dict(entropy_coef=0.05),
     "correction": dict(mode="truncate", level="token"),
+    "kl_ratio_weighted": dict(kl_coef=0.3, ratio_weighted=True),
     "all": dict(kl_coef=0.3, estimator="k2", entropy_coef=0.05, mode="mask", level="sequence"),
+    "all_ratio_weighted": dict(kl_coef=0.3, ratio_weighted=True, entropy_coef=0.05, mode="mask", level="token"),
 }
 
 
-def library_terms(kl_coef=0.0, estimator="k3", entropy_coef=0.0, mode="none", level="token", low=LOW, high=HIGH):
+def library_terms(kl_coef=0.0, estimator="k3", ratio_weighted=False, entropy_coef=0.0, mode="none", level="token",
+                  low=LOW, high=HIGH):
     """The entry points' keywords for a reference term setting."""
-    return dict(kl=KLPenalty(coef=kl_coef, estimator=estimator), entropy_coef=entropy_coef,
-                correction=Correction(mode=mode, level=level, low=low, high=high))
+    return dict(kl=KLPenalty(coef=kl_coef, estimator=estimator, ratio_weighted=ratio_weighted),
+                entropy_coef=entropy_coef, correction=Correction(mode=mode, level=level, low=low, high=high))
 
 
 def reference_terms(**setting):
-    return dict(kl_coef=0.0, estimator="k3", entropy_coef=0.0, mode="none", level="token", low=LOW, high=HIGH) | setting
+    return dict(kl_coef=0.0, estimator="k3", ratio_weighted=False, entropy_coef=0.0, mode="none", level="token",
+                low=LOW, high=HIGH) | setting
 
 
 def terms_step(seed, *, num_docs=12, max_len=9, empty_docs=2, behaviour_std=0.5):
@@ -155,19 +159,117 @@ def test_each_term_alone_and_all_together_match_the_reference(loss, aggregation,
     step = terms_step(zlib.crc32(f"{loss}{aggregation}{divisor}{term_set}".encode()) % 1000)
     value, metrics = check_against_reference(step, loss=loss, aggregation=aggregation, divisor=divisor,
                                              setting=TERM_SETS[term_set])
-    if term_set == "all":
-        assert 0 < metrics["is_masked_fraction"].item() < 1  # the mask keeps some documents, not all
+    if term_set.startswith("all"):
+        assert 0 < metrics["is_masked_fraction"].item() < 1  # the mask keeps some tokens, not all
 
 
+@pytest.mark.parametrize("ratio_weighted", [False, True])
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
 @pytest.mark.parametrize("loss", LOSSES)
 @pytest.mark.parametrize(("aggregation", "divisor"), [("sample_mean", None), ("constant", 37.5)])
-def test_every_kl_estimator(loss, estimator, aggregation, divisor):
+def test_every_kl_estimator(loss, estimator, ratio_weighted, aggregation, divisor):
     step = terms_step(7)
-    _, metrics = check_against_reference(step, loss=loss, aggregation=aggregation, divisor=divisor,
-                                         setting=dict(kl_coef=0.7, estimator=estimator))
-    # kl_ref is k3's whatever the estimator of the loss
+    setting = dict(kl_coef=0.7, estimator=estimator, ratio_weighted=ratio_weighted)
+    _, metrics = check_against_reference(step, loss=loss, aggregation=aggregation, divisor=divisor, setting=setting)
+    # kl_ref is k3's whatever the estimator of the loss, with or without the ratio
     assert metrics["kl_ref"].item() > 0
+    plain = run_library(step, loss=loss, aggregation=aggregation, divisor=divisor,
+                        setting=dict(kl_coef=0.7, estimator=estimator))[1]
+    assert metrics["kl_ref"].item() == plain["kl_ref"].item()
+
+
+def _one_token_step(old, adv=1.0, **tensors):
+    """One document of one labelled token (and a prompt token, NaN under the mask)."""
+    return LossInputs(proximal_logprobs=torch.tensor([math.nan, old], dtype=F64),
+                      advantages=torch.tensor([math.nan, adv], dtype=F64), mask=torch.tensor([0.0, 1.0]),
+                      document_index=torch.tensor([0, 0]),
+                      **{name: torch.tensor([math.nan, value], dtype=F64) for name, value in tensors.items()})
+
+
+@pytest.mark.parametrize("level", CORRECTION_LEVELS)
+def test_mask_weighs_a_kept_token_by_rho_the_icepop_example(level):
+    """Issue 28's example, by hand: A = 1, ratio 1 (lp = old), ρ = 1.5 in [0.5, 2]: grpo's ℓ = −1,
+    times u = ρ = 1.5, over T = 1: L = −1.5 and dL/dlp = −1.5 (the old mask gave −1 and −1; a mask
+    that weighted by 1 or by anything but ρ fails here)."""
+    old = -1.0
+    lp = torch.tensor([math.nan, old], dtype=F64, requires_grad=True)
+    inputs = _one_token_step(old, sampler_logprobs=old - math.log(1.5))
+    value, metrics = policy_loss(lp, inputs, LossSpec(correction=Correction(mode="mask", level=level, low=0.5,
+                                                                             high=2.0)))
+    value.backward()
+    assert value.item() == pytest.approx(-1.5, rel=1e-15)
+    assert lp.grad.tolist()[1] == pytest.approx(-1.5, rel=1e-15) and lp.grad.tolist()[0] == 0
+    assert metrics["is_weight_mean"].item() == pytest.approx(1.5, rel=1e-15)
+    assert metrics["is_masked_fraction"].item() == 0
+
+
+def test_mask_rejects_outside_the_band_and_keeps_the_denominators():
+    """Two one-token documents, A = 1, ratio 1, ρ = 1.5 (kept) and ρ = 3 (rejected, > 2): by hand,
+    token_mean L = (−1.5 + 0) / T with T = 2 (the rejected token still counts): −0.75; gradients
+    −1.5/2 and 0. Fails if a rejected token left the denominator (−1.5) or kept weight 1 (−0.5)."""
+    old = torch.tensor([-0.7, -2.0], dtype=F64)
+    lp = old.clone().requires_grad_(True)
+    behav = old - torch.tensor([math.log(1.5), math.log(3.0)], dtype=F64)
+    inputs = LossInputs(proximal_logprobs=old, advantages=torch.ones(2, dtype=F64), mask=torch.ones(2),
+                        document_index=torch.tensor([0, 1]), sampler_logprobs=behav)
+    value, metrics = policy_loss(lp, inputs, LossSpec(correction=Correction(mode="mask", low=0.5, high=2.0)))
+    value.backward()
+    assert value.item() == pytest.approx(-0.75, rel=1e-15)
+    assert lp.grad.tolist() == pytest.approx([-0.75, 0.0], rel=1e-15)
+    assert metrics["is_masked_fraction"].item() == 0.5 and metrics["is_weight_max"].item() == pytest.approx(1.5)
+
+
+def test_the_ratio_weighted_kl_term_by_hand():
+    """One token, A = 0 (grpo's own term is 0), lp = −1, old = −1.2, ref = −1.5, β = 0.4: r = e^0.2,
+    δ = −0.5, L = β r k3(δ) and, by hand, dL/dlp = β (r k3 + r (1 − e^δ)) = −β r δ; dL/dold = −β r k3.
+    Fails if the ratio is missing, detached, or has another denominator."""
+    beta, r, delta = 0.4, math.exp(0.2), -0.5
+    k3 = math.exp(delta) - delta - 1
+    lp = torch.tensor([math.nan, -1.0], dtype=F64, requires_grad=True)
+    old = torch.tensor([math.nan, -1.2], dtype=F64, requires_grad=True)
+    inputs = replace(_one_token_step(-1.2, adv=0.0, reference_logprobs=-1.5), proximal_logprobs=old)
+    value, metrics = policy_loss(lp, inputs, LossSpec(kl=KLPenalty(coef=beta, ratio_weighted=True)))
+    value.backward()
+    assert value.item() == pytest.approx(beta * r * k3, rel=1e-14)
+    assert lp.grad[1].item() == pytest.approx(-beta * r * delta, rel=1e-14)
+    assert old.grad[1].item() == pytest.approx(-beta * r * k3, rel=1e-14)
+    assert metrics["kl_ref"].item() == pytest.approx(k3, rel=1e-14)  # the metric has no ratio
+
+
+EXPECTED_KL_GRADIENTS = {  # (estimator, ratio_weighted) -> the KL whose gradient the term follows on-policy
+    ("k1", False): None, ("k2", False): "reverse", ("k3", False): "forward",
+    ("k3", True): "reverse", ("k1", True): "reverse",
+}
+
+
+@pytest.mark.parametrize(("estimator", "ratio_weighted"), list(EXPECTED_KL_GRADIENTS))
+def test_each_kl_term_follows_its_documented_gradient_in_expectation(estimator, ratio_weighted):
+    """math.md#kl-to-a-reference, exactly: a softmax policy π over 7 tokens (logits θ), one
+    one-token document per token y (old = lp, on-policy), A = 0; the library's dL/dlp_y, weighted by
+    π(y), chained to θ, is E_{y∼π}[∇_θ β k(y)]. It must equal β ∇_θ of the KL the page names,
+    computed by autograd from its definition (0 for k1). Fails if an estimator or the ratio changed."""
+    g = torch.Generator().manual_seed(5)
+    theta = torch.randn(7, generator=g, dtype=F64, requires_grad=True)
+    log_ref = torch.log_softmax(torch.randn(7, generator=g, dtype=F64), 0)
+    log_pi = torch.log_softmax(theta, 0)
+    lp = log_pi.detach().clone().requires_grad_(True)
+    beta, n = 0.3, 7
+    inputs = LossInputs(proximal_logprobs=log_pi.detach(), advantages=torch.zeros(n, dtype=F64),
+                        mask=torch.ones(n), document_index=torch.arange(n), reference_logprobs=log_ref)
+    spec = LossSpec(aggregation="constant", divisor=1.0,  # L = Σ_y β k(y) / n
+                    kl=KLPenalty(coef=beta, estimator=estimator, ratio_weighted=ratio_weighted))
+    value, _ = policy_loss(lp, inputs, spec)
+    (per_token,) = torch.autograd.grad(value, lp)  # [n] β/n dk(y)/dlp_y
+    pi = log_pi.exp().detach()
+    (expected_gradient,) = torch.autograd.grad(log_pi, theta, grad_outputs=pi * n * per_token, retain_graph=True)
+    which = EXPECTED_KL_GRADIENTS[estimator, ratio_weighted]
+    if which is None:
+        assert expected_gradient.abs().max() < 1e-15
+        return
+    p, q = (log_pi, log_ref) if which == "reverse" else (log_ref, log_pi)
+    (kl_gradient,) = torch.autograd.grad(beta * (p.exp() * (p - q)).sum(), theta)
+    assert kl_gradient.abs().max() > 1e-3
+    assert rel_err(expected_gradient, kl_gradient) <= 1e-12
 
 
 @pytest.mark.parametrize("estimator", KL_ESTIMATORS)
@@ -216,7 +318,9 @@ def test_every_correction_mode_and_level(loss, mode, level):
         assert metrics["is_weight_max"].item() == HIGH
     else:
         assert 0 < sum(rejected[t] for t in labelled) < len(labelled)  # the data exercises the mask
-        assert metrics["is_weight_max"].item() == 1
+        kept = [weight[t] for t in labelled if not rejected[t]]
+        assert all(LOW <= w <= HIGH for w in kept) and any(w != 1 for w in kept)  # IcePop: w = ρ
+        assert metrics["is_weight_max"].item() == max(kept) <= HIGH
 
 
 def test_the_correction_weighs_the_policy_term_only():
@@ -276,6 +380,8 @@ def test_a_step_without_labelled_tokens_gives_zero_and_no_nan(loss):
 
 EXTREME_SETTINGS = [dict(kl_coef=0.5, estimator=est, entropy_coef=0.1, mode=mode, level=level)
                     for est in KL_ESTIMATORS for mode in ("truncate", "mask") for level in CORRECTION_LEVELS]
+EXTREME_SETTINGS += [dict(kl_coef=0.5, ratio_weighted=True, entropy_coef=0.1, mode=mode, level="token")
+                     for mode in ("truncate", "mask")]
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
@@ -341,6 +447,8 @@ OPTION_ERRORS = [
     (lambda: KLPenalty(coef=True), r"^coef must be"),
     (lambda: KLPenalty(estimator="k4"), r"^unknown KL estimator 'k4'; expected one of: k1, k2, k3$"),
     (lambda: KLPenalty(estimator="K3"), r"^unknown KL estimator"),
+    (lambda: KLPenalty(ratio_weighted="true"), r"^ratio_weighted must be a bool; got 'true'$"),
+    (lambda: KLPenalty(ratio_weighted=1), r"^ratio_weighted must be a bool; got 1$"),
     (lambda: Correction(mode="clip"), r"^unknown correction mode 'clip'; expected one of: none, truncate, mask$"),
     (lambda: Correction(level="batch"),
      r"^unknown correction level 'batch'; expected one of: token, sequence, geometric$"),

@@ -1,7 +1,7 @@
 """The terms are loss-agnostic: for every registered loss (whatever registered it), the KL and entropy
-terms add exactly their reference part to the loss's own value and gradient, a correction that keeps
-every token changes nothing and one that drops every token leaves only those terms, and the fused
-head with every term equals `token_logprobs` + `policy_loss`."""
+terms add exactly their reference part to the loss's own value and gradient, a mask that keeps every
+token weighs it by ρ (and changes nothing at ρ = 1), one that drops every token leaves only those terms,
+and the fused head with every term equals `token_logprobs` + `policy_loss`."""
 
 from __future__ import annotations
 
@@ -76,10 +76,18 @@ def test_a_correction_that_keeps_or_drops_every_token_for_any_loss(loss, level):
     step = terms_step(51)
     kw = dict(loss=loss, aggregation="sample_mean", divisor=None, kl=KLPenalty(coef=0.2), entropy_coef=0.05)
     off, _, off_lp, off_ent = _loss_and_grads(step, **kw)
-    keep = Correction(mode="mask", level=level, low=1e-300, high=1e300)
-    kept, metrics, kept_lp, kept_ent = _loss_and_grads(step, correction=keep, **kw)
+    # ρ = 1 for every token (behav = prox): the IcePop mask keeps them all with weight ρ = 1
+    on_policy = dict(step, behav=torch.where(step["mask"] > 0, step["old"], -math.inf))
+    keep = Correction(mode="mask", level=level, low=0.5, high=2.0)
+    kept, metrics, kept_lp, kept_ent = _loss_and_grads(on_policy, correction=keep, **kw)
     assert torch.equal(kept, off) and torch.equal(kept_lp, off_lp) and torch.equal(kept_ent, off_ent)
     assert metrics["is_masked_fraction"].item() == 0 and metrics["is_weight_max"].item() == 1
+    # a band that keeps every token weighs each by ρ, as truncate does below its (unreached) cap
+    wide, metrics, wide_lp, _ = _loss_and_grads(step, correction=replace(keep, low=1e-300, high=1e300), **kw)
+    capped, _, capped_lp, _ = _loss_and_grads(step, correction=Correction(mode="truncate", level=level, high=1e300),
+                                              **kw)
+    assert torch.equal(wide, capped) and torch.equal(wide_lp, capped_lp) and not torch.equal(wide, off)
+    assert metrics["is_masked_fraction"].item() == 0 and metrics["is_weight_max"].item() != 1
     step["behav"] = step["old"] + 1000.0  # ρ = e^-1000 for every token: all dropped
     dropped, metrics, drop_lp, _ = _loss_and_grads(step, correction=Correction(mode="mask", level=level), **kw)
     part, part_lp, _ = _kl_and_entropy_reference(step, aggregation="sample_mean", divisor=None, beta=0.2,

@@ -44,6 +44,7 @@ ALL_TERMS = [
     dict(kl_coef=0.3, estimator="k3", entropy_coef=0.05, mode="truncate", level="token"),
     dict(kl_coef=0.2, estimator="k2", entropy_coef=0.1, mode="mask", level="sequence"),
     dict(kl_coef=0.4, estimator="k1", entropy_coef=0.03, mode="mask", level="geometric"),
+    dict(kl_coef=0.3, estimator="k3", ratio_weighted=True, mode="mask", level="token"),
 ]
 
 

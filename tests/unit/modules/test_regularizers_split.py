@@ -22,6 +22,7 @@ SETTINGS = [
     dict(kl_coef=0.1, estimator="k2", entropy_coef=0.1, mode="mask", level="geometric"),
     dict(kl_coef=0.5, estimator="k3", mode="truncate", level="geometric"),
     dict(entropy_coef=0.05, mode="truncate", level="sequence"),
+    dict(kl_coef=0.3, estimator="k3", ratio_weighted=True, entropy_coef=0.05, mode="mask", level="token"),
 ]
 assert {s["level"] for s in SETTINGS} == {"token", "sequence", "geometric"}
 
