@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import typing
 from dataclasses import fields
 from numbers import Real
 
@@ -49,8 +50,15 @@ def check_value(name: str, value, bounds: dict[str, float]) -> None:
 
 def check_bounds(options) -> None:
     """Raise ``ValueError`` naming the first field of the dataclass instance ``options`` that is not a
-    finite number within the bounds of its metadata. Fields without bounds are not checked."""
+    finite number within the bounds of its metadata. Fields without bounds are not checked, nor None in
+    an ``Optional`` field (an option that is off)."""
     for f in fields(options):
         bounds = {key: f.metadata[key] for key in BOUNDS if key in f.metadata}
-        if bounds:
-            check_value(f.name, getattr(options, f.name), bounds)
+        value = getattr(options, f.name)
+        if bounds and not (value is None and _optional(type(options), f.name)):
+            check_value(f.name, value, bounds)
+
+
+def _optional(cls, name: str) -> bool:
+    """Whether the field ``name`` of the dataclass ``cls`` is annotated ``Optional[...]``."""
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[name])

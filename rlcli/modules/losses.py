@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 _INDICES = ("document_index", "group_index")
 # 1 + eps_high, a float32 bound of the ratios, rounds to at most FLOAT32_MAX
 EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
+# c of the dual clip: above 1 (at c <= 1 the cap would act inside the clip range), and a float32 number
+DUAL_CLIP = {"gt": 1, "le": FLOAT32_MAX}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -107,6 +109,12 @@ class LossInputs:
         return torch.where(self.mask > 0, self.advantages, 0.0)
 
 
+def token_mean_weight(mask: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """``m_t / max(n_d, 1)`` [N], in the dtype of ``mask``: a sum of it times ``v_t`` is the numerator of the
+    document mean ``μ(v)`` (math.md#metrics)."""
+    return mask / segments.broadcast(segments.sum(mask).clamp(min=1))
+
+
 @dataclass(frozen=True)
 class RatioUnits:
     """The importance ratios the metrics are taken over: tokens (grpo) or documents (gspo).
@@ -123,10 +131,9 @@ class RatioUnits:
     @classmethod
     def of_tokens(cls, log_ratio: torch.Tensor, inputs: LossInputs) -> RatioUnits:
         """One unit per token: ``log_ratio`` [N], 0 where the mask is 0."""
-        doc_norm = inputs.segments.sum(inputs.mask).clamp(min=1)  # [S]
         log_ratio = log_ratio.detach()
         return cls(ratio=torch.exp(log_ratio), log_ratio=log_ratio,
-                   mean_weight=inputs.mask / inputs.segments.broadcast(doc_norm), count_weight=inputs.mask)
+                   mean_weight=token_mean_weight(inputs.mask, inputs.segments), count_weight=inputs.mask)
 
     @classmethod
     def of_documents(cls, log_ratio: torch.Tensor, doc_tokens: torch.Tensor) -> RatioUnits:
@@ -192,6 +199,35 @@ class ClippedRatioLoss(PolicyLoss):
         return (ratio < 1 - self.eps_low) | (ratio > 1 + self.eps_high)
 
 
+@dataclass(frozen=True)
+class DualClipLoss(ClippedRatioLoss):
+    """A clipped ratio loss with the dual clip of math.md#dual-clip: ``ℓ_t`` becomes ``min(ℓ_t, −c·A_t)``
+    where ``A_t < 0``, a constant ``−c·A_t`` (no gradient) where the token's ratio ``x_t`` exceeds ``c``."""
+
+    # Optional, not `float | None`: the config's type check walks typing.Optional
+    dual_clip: Optional[float] = field(default=None, metadata={  # noqa: UP045
+        **DUAL_CLIP, "doc": "c of the dual clip: a token with A < 0 has its loss capped at -c x A (null: off)"})
+
+    def dual_capped(self, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """``[N] -> [N]`` bool: the tokens the dual clip caps, ``A_t < 0`` and ``x_t > c`` (none when off);
+        ``ratio`` the value of ``x_t``, ``advantages`` 0 where the mask is 0."""
+        cap = math.inf if self.dual_clip is None else self.dual_clip
+        return (advantages < 0) & (ratio.detach() > cap)
+
+    def dual_clipped(self, losses: torch.Tensor, capped: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """``ℓ^dc_t`` [N]: ``−c·A_t`` where ``capped``, ``losses`` elsewhere."""
+        if self.dual_clip is None:
+            return losses
+        return torch.where(capped, -self.dual_clip * advantages, losses)
+
+    def add_dual_clip_partials(self, partials: MetricPartials, ratio: torch.Tensor, inputs: LossInputs) -> None:
+        """``dual_clipped_fraction`` (when on), with ``ratio`` [N] the value of each token's ``x_t``."""
+        if self.dual_clip is not None:
+            capped = self.dual_capped(ratio, inputs.labelled_advantages).to(torch.float64)  # [N]
+            weight = token_mean_weight(inputs.mask.detach().to(torch.float64), inputs.segments)  # [N]
+            partials.means["dual_clipped_fraction"] = (weight * capped).sum()
+
+
 LOSSES: Registry[type[PolicyLoss]] = Registry("loss")
 """The policy losses by name: grpo, gspo, gspo_token, cispo, sapo and every class registered with
 ``@LOSSES.register()``."""
@@ -225,17 +261,24 @@ def make_loss(loss: str | PolicyLoss = "grpo", **options: float) -> PolicyLoss:
 
 @LOSSES.register()
 @dataclass(frozen=True)
-class GRPO(ClippedRatioLoss):
-    """``ℓ_t = −min(r_t·A_t, clip(r_t)·A_t)`` with token ratios ``r_t = exp(lp_t − old_lp_t)``."""
+class GRPO(DualClipLoss):
+    """``ℓ_t = −min(r_t·A_t, clip(r_t)·A_t)`` with token ratios ``r_t = exp(lp_t − old_lp_t)``; with
+    ``dual_clip`` c, ``min(ℓ_t, −c·A_t)`` where ``A_t < 0``."""
 
     name = "grpo"
     sequence_level = False
 
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]
-        objective = self.clipped_objective(torch.exp(log_ratio), inputs.labelled_advantages)  # [N]
-        losses = torch.where(inputs.mask > 0, -objective, 0.0)  # [N]
-        return losses, RatioUnits.of_tokens(log_ratio, inputs)
+        advantages = inputs.labelled_advantages  # [N]
+        capped = self.dual_capped(torch.exp(log_ratio.detach()), advantages)  # [N]
+        # a capped token's ratio is never read: exp(0) there, so an overflowing exp cannot make its 0 gradient NaN
+        ratio = torch.exp(torch.where(capped, 0.0, log_ratio))  # [N]
+        losses = self.dual_clipped(-self.clipped_objective(ratio, advantages), capped, advantages)  # [N]
+        return torch.where(inputs.mask > 0, losses, 0.0), RatioUnits.of_tokens(log_ratio, inputs)
+
+    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
+        self.add_dual_clip_partials(partials, units.ratio, inputs)
 
 
 @LOSSES.register()
@@ -333,13 +376,15 @@ class SAPO(PolicyLoss):
 
 @LOSSES.register()
 @dataclass(frozen=True)
-class GSPOToken(GSPO):
+class GSPOToken(GSPO, DualClipLoss):
     """GSPO-token (GSPO paper §4.3): ``ℓ_t = −min(s_t·A_t, clip(s_t)·A_t)`` with per-token advantages and
-    ``s_t = sg(R_d)·exp(lp_t − sg(lp_t))``, ``R_d = exp(mean_{t∈d}(lp_t − old_lp_t))``.
+    ``s_t = sg(R_d)·exp(lp_t − sg(lp_t))``, ``R_d = exp(mean_{t∈d}(lp_t − old_lp_t))``; with ``dual_clip``
+    c, ``min(ℓ_t, −c·A_t)`` where ``A_t < 0``.
 
     ``s_t`` equals ``R_d``, but its gradient is ``R_d·∇lp_t``: each token's own, not that of ``R_d``'s mean.
     With ``A_t = Ā_d`` for every token it has gspo's value and gradient. The ratios, the clip fraction
-    (``R_d`` outside ``[1 − eps_low, 1 + eps_high]``) and ``num_segments`` are gspo's, over documents.
+    (``R_d`` outside ``[1 − eps_low, 1 + eps_high]``) and ``num_segments`` are gspo's, over documents;
+    ``dual_clipped_fraction`` is over tokens, as the cap acts token by token.
     """
 
     name = "gspo_token"
@@ -350,11 +395,18 @@ class GSPOToken(GSPO):
         rho = segments.sum(inputs.log_ratio(logprobs)) / doc_tokens.clamp(min=1)  # [S]
         advantages = inputs.labelled_advantages  # [N]
         log_seq_ratio = segments.broadcast(rho.detach())  # [N] log R_d
+        capped = self.dual_capped(torch.exp(log_seq_ratio), advantages)  # [N]
         # with A_t >= 0 the objective reads s_t only through min(s_t, 1 + eps_high): a larger log R_d gives the
-        # same value, so stop it where exp stays finite (an inf R_d times the clipped branch's 0 would be NaN)
+        # same value, so stop it where exp stays finite (an inf R_d times the clipped branch's 0 would be NaN);
+        # a capped token's s_t is never read: 0 there, for the same reason
         cap = math.log1p(self.eps_high) + 1.0
         log_seq_ratio = torch.where((advantages >= 0) & (log_seq_ratio > cap), cap, log_seq_ratio)
+        log_seq_ratio = torch.where(capped, 0.0, log_seq_ratio)
         labelled_logprobs = torch.where(inputs.mask > 0, logprobs, 0.0)  # [N]
         token_ratio = torch.exp(log_seq_ratio) * torch.exp(labelled_logprobs - labelled_logprobs.detach())  # [N] s_t
-        losses = torch.where(inputs.mask > 0, -self.clipped_objective(token_ratio, advantages), 0.0)
-        return losses, RatioUnits.of_documents(rho, doc_tokens)
+        losses = self.dual_clipped(-self.clipped_objective(token_ratio, advantages), capped, advantages)  # [N]
+        return torch.where(inputs.mask > 0, losses, 0.0), RatioUnits.of_documents(rho, doc_tokens)
+
+    def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
+        super().add_metric_partials(partials, units, inputs)  # gspo's num_segments
+        self.add_dual_clip_partials(partials, inputs.segments.broadcast(units.ratio), inputs)

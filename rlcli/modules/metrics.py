@@ -50,6 +50,9 @@ METRICS = {
                                      "the sign of A (cispo: `r > 1 + eps_high`)"),
     "num_segments": Metric("metrics=basic, loss=gspo or gspo_token", "documents with `n_d > 0`: the units the "
                            "sequence ratio metrics are taken over (a sum)"),
+    "dual_clipped_fraction": Metric("metrics=basic, loss.dual_clip set (grpo, gspo_token)",
+                                    "`μ(1[A_t < 0 and x_t > c])`: the document mean of the tokens the dual clip "
+                                    "caps at `−c·A_t` (`x_t`: `r_t` for grpo, `R_d` for gspo_token)"),
     "entropy": Metric("metrics=with_entropy", "`μ(H_t)`: the document mean of the entropy of the "
                       "temperature-scaled distribution at each labelled position"),
 }

@@ -88,9 +88,11 @@ def test_a_misspelt_loss_name_raises_listing_the_known_names(entry, name):
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=ENTRY_IDS)
-@pytest.mark.parametrize(("loss", "option"), [("grpo", "eps"), ("gspo", "clip_ratio"), ("grpo", "coef")])
-def test_an_unknown_option_raises_naming_it_and_the_known_ones(entry, loss, option):
-    with pytest.raises(ValueError, match=rf"^{option} is not an option of loss '{loss}'; it takes eps_low, eps_high$"):
+@pytest.mark.parametrize(("loss", "option", "known"), [("grpo", "eps", "eps_low, eps_high, dual_clip"),
+                                                   ("gspo", "clip_ratio", "eps_low, eps_high"),
+                                                   ("grpo", "coef", "eps_low, eps_high, dual_clip")])
+def test_an_unknown_option_raises_naming_it_and_the_known_ones(entry, loss, option, known):
+    with pytest.raises(ValueError, match=rf"^{option} is not an option of loss '{loss}'; it takes {known}$"):
         entry(_case(), loss=loss, **{option: 0.1})
 
 
