@@ -110,6 +110,8 @@ def stream_parser() -> argparse.ArgumentParser:
     push.add_argument("--eps", type=float, default=advantage.eps,
                       help="the eps of grpo's (r - mean) / (std + eps) (default: rlcli train's advantage.eps, "
                       f"{advantage.eps})")
+    push.add_argument("--k", type=int, default=advantage.k,
+                      help=f"--advantage passk: the k of pass@k (default: rlcli train's advantage.k, {advantage.k})")
     return parser
 
 
@@ -120,7 +122,8 @@ def _stream(args: list[str]) -> int:
     from rlcli.stream.push import push_files
 
     try:
-        push_files(options.files, options.url, options.stream, options.advantage, options.eps, out=sys.stdout)
+        push_files(options.files, options.url, options.stream, options.advantage, options.eps, out=sys.stdout,
+                   k=options.k)
     except UserError as err:
         print(f"rlcli stream push: error: {err}", file=sys.stderr)
         return 2

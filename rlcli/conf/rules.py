@@ -144,6 +144,19 @@ def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
                "the rollouts' ref_logprobs (kl.reference=rollouts)")
 
 
+@rule("advantage", "rollout", commands=TRAINING)
+def pass_at_k(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``advantage.k`` is pass@k's k, of ``passk`` alone; it must not exceed a group (math.md#advantages)."""
+    estimator, k = cfg.advantage.estimator, cfg.advantage.k
+    if estimator == "passk" and k is None:
+        yield "advantage.k: is required for advantage.estimator=passk (the k of pass@k, e.g. advantage.k=4)"
+    if estimator != "passk" and k is not None:
+        yield f"advantage.k: only valid with advantage.estimator=passk, not {estimator!r}"
+    if estimator == "passk" and k is not None and cfg.rollout is not None and k > cfg.rollout.group_size:
+        yield (f"advantage.k: {k} is more than rollout.group_size={cfg.rollout.group_size}, the documents of a "
+               "group (pass@k needs k <= the group's size)")
+
+
 @rule("aggregation", commands=TRAINING)
 def aggregation_divisor(cfg: TrainConfig, command: str) -> Iterator[str]:
     name, divisor = cfg.aggregation.name, cfg.aggregation.divisor

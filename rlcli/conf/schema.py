@@ -247,9 +247,12 @@ class AdvantageConfig:
     """Advantages of records that carry ``reward`` instead of ``advantage(s)``."""
 
     estimator: Literal[ADVANTAGE_ESTIMATORS.names()] = described(
-        "none (every record must carry advantages), grpo ((r - mean) / (std + eps) per group) or dr_grpo "
-        "(r - mean)")
+        "none (every record must carry advantages), or per group: grpo ((r - mean) / (std + eps)), dr_grpo "
+        "(r - mean), rloo (r - mean of the others), opo (r - the length-weighted mean) or passk (pass@k, "
+        "binary rewards)")
     eps: float = described("the eps of grpo's (r - mean) / (std + eps)", gt=0)
+    k: Optional[int] = described(
+        "passk: the k of pass@k, at most the group's size (required with estimator=passk, only valid with it)", ge=1)
 
 
 @dataclass

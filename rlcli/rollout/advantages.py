@@ -3,21 +3,25 @@
 An estimator is one function registered in `ADVANTAGE_ESTIMATORS` under its ``advantage.estimator``
 name; the config's choices and the errors that list them come from there::
 
-    @ADVANTAGE_ESTIMATORS.register("rloo")
-    def rloo(rewards: list[float], *, eps: float) -> list[float]:
-        ...
+    @ADVANTAGE_ESTIMATORS.register("spread")
+    def spread(rewards: list[float]) -> list[float]:
+        return [r - min(rewards) for r in rewards]
 
-It gets the rewards of one group (the documents that share a ``group_id``: finite floats, at least
-two of them different) and ``eps`` (``advantage.eps``), and returns one advantage per reward, in
-order. A group of one document, or of equal rewards, has no signal: it gets advantage 0 without a
-call. ``none`` is the estimator that computes nothing: the documents carry their advantages.
+It gets the rewards of one group (the documents that share a ``group_id``: one or more finite
+floats) and returns one advantage per reward, in order. It also gets those of these keywords that
+it declares: ``eps`` (``advantage.eps``), ``k`` (``advantage.k``) and ``lengths`` (each document's
+number of labelled tokens). A ``ValueError`` it raises is a `DataError` naming the group. A group
+of one document, or of equal rewards, has no signal: the built-in estimators give it 0.
+``none`` is the estimator that computes nothing: the documents carry their advantages.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
+from fractions import Fraction
 
 from rlcli.data.errors import DataError
 from rlcli.data.schema import FLOAT32_MAX, FLOAT32_RANGE, Rollout
@@ -28,17 +32,20 @@ __all__ = [
     "apply_advantage_estimator",
     "check_in_float32",
     "computes_advantages",
+    "estimator_keywords",
     "group_advantages",
     "group_estimators",
 ]
 
-GroupEstimator = Callable[..., list[float]]  # (rewards: list[float], *, eps: float) -> list[float]
+GroupEstimator = Callable[..., list[float]]  # (rewards: list[float], *, [eps], [k], [lengths]) -> list[float]
 
 ADVANTAGE_ESTIMATORS: Registry[GroupEstimator] = Registry("advantage estimator")
 
+KEYWORDS = ("eps", "k", "lengths")  # what an estimator may declare, beside the rewards
+
 
 @ADVANTAGE_ESTIMATORS.register("none")
-def no_estimator(rewards: list[float], *, eps: float) -> list[float]:
+def no_estimator(rewards: list[float]) -> list[float]:
     """``none``: every document must carry ``advantage``/``advantages``; there are none to compute."""
     raise ValueError("advantage.estimator=none computes no advantages: the documents must carry them")
 
@@ -52,6 +59,8 @@ def grpo(rewards: list[float], *, eps: float) -> list[float]:
     (std(u) + eps / s)``, whose terms are all below 4 in size (an ``eps / s`` beyond float64 is inf and
     gives 0, its limit), so any finite rewards give the advantages to float64 precision.
     """
+    if _no_signal(rewards):
+        return [0.0] * len(rewards)
     scale, scaled, mean = _scaled(rewards)
     centred = [u - mean for u in scaled]
     std = math.sqrt(math.fsum(c * c for c in centred) / len(centred))
@@ -59,11 +68,65 @@ def grpo(rewards: list[float], *, eps: float) -> list[float]:
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
-def dr_grpo(rewards: list[float], *, eps: float) -> list[float]:
-    """``r - mean`` (Dr. GRPO drops the division by the std; ``eps`` is unused), computed as
-    ``r - s·mean(u)`` (see `_scaled`); an advantage beyond the float64 range is ±inf."""
+def dr_grpo(rewards: list[float]) -> list[float]:
+    """``r - mean`` (Dr. GRPO drops the division by the std), computed as ``r - s·mean(u)`` (see
+    `_scaled`); an advantage beyond the float64 range is ±inf."""
+    if _no_signal(rewards):
+        return [0.0] * len(rewards)
     scale, _, mean = _scaled(rewards)
     return [r - mean * scale for r in rewards]
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(rewards: list[float]) -> list[float]:
+    """``r_i - (sum of the others) / (G - 1)``, the leave-one-out baseline, computed as
+    ``s·(u_i - (sum(u) - u_i) / (G - 1))`` (see `_scaled`); an advantage beyond float64 is ±inf."""
+    if _no_signal(rewards):
+        return [0.0] * len(rewards)
+    scale, scaled, _ = _scaled(rewards)
+    total, others = math.fsum(scaled), len(scaled) - 1
+    return [(u - (total - u) / others) * scale for u in scaled]
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+def opo(rewards: list[float], *, lengths: list[int]) -> list[float]:
+    """``r_i - b`` with OPO's length-weighted baseline ``b = sum(|y_j| r_j) / sum(|y_j|)``
+    (``lengths`` are the ``|y_j|``), computed as ``s·(u_i - b(u))`` (see `_scaled`); 0 when the group
+    has no labelled token (``sum(|y_j|) = 0``). An advantage beyond float64 is ±inf."""
+    total_length = sum(lengths)
+    if _no_signal(rewards) or total_length == 0:
+        return [0.0] * len(rewards)
+    scale, scaled, _ = _scaled(rewards)
+    baseline = math.fsum(n * u for n, u in zip(lengths, scaled)) / total_length
+    return [(u - baseline) * scale for u in scaled]
+
+
+@ADVANTAGE_ESTIMATORS.register("passk")
+def passk(rewards: list[float], *, k: int) -> list[float]:
+    """The analytic pass@k advantage of Chen et al. (2025) for rewards 0 or 1 (math.md#advantages):
+    with ``N`` samples, ``c`` correct, ``rho = 1 - C(N-c, k)/C(N, k)`` and ``sigma = sqrt(rho (1 - rho))``, a
+    correct sample gets ``(1 - rho) / sigma`` and an incorrect one ``(1 - rho - C(N-c-1, k-1)/C(N-1, k-1)) /
+    sigma``; all get 0 when ``sigma = 0``. Each is ``(m - rho) / sigma`` with ``m`` the mean pass@k of the
+    k-subsets holding the sample, computed as ``±sqrt((m - rho)^2 / (rho (1 - rho)))`` from exact rationals."""
+    wrong = next((r for r in rewards if r not in (0.0, 1.0)), None)
+    if wrong is not None:
+        raise ValueError(f"advantage.estimator=passk needs rewards of 0 or 1, got {wrong!r}")
+    n, c = len(rewards), int(sum(rewards))
+    if k > n:
+        raise ValueError(f"{n} documents, fewer than advantage.k={k} (pass@k needs k <= the group's size)")
+    rho = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+    if rho in (0, 1):
+        return [0.0] * n
+    variance = rho * (1 - rho)
+    positive = math.sqrt((1 - rho) ** 2 / variance)  # m = 1: every subset with a correct sample passes
+    fails = Fraction(math.comb(n - c - 1, k - 1), math.comb(n - 1, k - 1))  # an incorrect one's subsets that fail
+    negative = -math.sqrt((1 - fails - rho) ** 2 / variance)  # m = 1 - fails < rho
+    return [positive if r == 1.0 else negative for r in rewards]
+
+
+def _no_signal(rewards: list[float]) -> bool:
+    """A group of one document, or of equal rewards: nothing to prefer, advantage 0."""
+    return min(rewards) == max(rewards)
 
 
 def _scaled(rewards: list[float]) -> tuple[float, list[float], float]:
@@ -86,38 +149,66 @@ def group_estimators() -> tuple[str, ...]:
     return tuple(name for name in ADVANTAGE_ESTIMATORS if computes_advantages(name))
 
 
+def estimator_keywords(estimator: str) -> tuple[str, ...]:
+    """The keywords of `KEYWORDS` that the estimator ``estimator`` declares (all of them with ``**kwargs``)."""
+    parameters = inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return KEYWORDS
+    return tuple(p.name for p in parameters if p.name in KEYWORDS)
+
+
 def group_advantages(
-    rewards: Sequence[float], group_ids: Sequence[Hashable], estimator: str, *, eps: float
+    rewards: Sequence[float],
+    group_ids: Sequence[Hashable],
+    estimator: str,
+    *,
+    eps: float,
+    k: int | None = None,
+    lengths: Sequence[int] | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[float]:
     """One advantage per reward, by ``estimator`` (one of `group_estimators`) within the documents that
-    share a group id; ``eps`` is ``advantage.eps``. A group of one document, or of equal rewards, gets 0."""
+    share a group id. ``eps`` and ``k`` are ``advantage.eps`` and ``advantage.k``, ``lengths`` the
+    documents' labelled tokens (needed by an estimator that declares it, ``opo``). A ``ValueError`` of
+    the estimator is a `DataError` naming the group and its first document, ``names[i]`` (default
+    ``document i``)."""
     if not computes_advantages(estimator):
         raise ValueError(f"advantage estimator {estimator!r} computes no advantages; expected one of: "
                          f"{', '.join(group_estimators())}")
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
+    keywords = estimator_keywords(estimator)
+    if "lengths" in keywords and (lengths is None or len(lengths) != len(rewards)):
+        raise ValueError(f"advantage.estimator={estimator} needs one length per reward")
     estimate = ADVANTAGE_ESTIMATORS[estimator]
     members: dict[Hashable, list[int]] = defaultdict(list)
     for i, group_id in enumerate(group_ids):
         members[group_id].append(i)
     advantages = [0.0] * len(rewards)
-    for indices in members.values():
-        group = [float(rewards[i]) for i in indices]
-        if min(group) != max(group):
-            for i, value in zip(indices, estimate(group, eps=eps)):
-                advantages[i] = value
+    for group_id, indices in members.items():
+        options = {"eps": eps, "k": k, "lengths": [lengths[i] for i in indices] if lengths is not None else None}
+        try:
+            values = estimate([float(rewards[i]) for i in indices], **{key: options[key] for key in keywords})
+        except ValueError as err:
+            first = names[indices[0]] if names is not None else f"document {indices[0]}"
+            raise DataError(f"group {group_id!r} (first document {first}, {len(indices)} in all): {err}") from None
+        for i, value in zip(indices, values):
+            advantages[i] = value
     return advantages
 
 
-def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, eps: float) -> list[Rollout]:
-    """Give every rollout per-token advantages, as ``advantage.estimator`` and ``advantage.eps`` say.
+def apply_advantage_estimator(
+    rollouts: Sequence[Rollout], estimator: str, *, eps: float, k: int | None = None
+) -> list[Rollout]:
+    """Give every rollout per-token advantages, as ``advantage.estimator``, ``advantage.eps`` and
+    ``advantage.k`` say.
 
     - ``none``: every rollout must already carry ``advantage``/``advantages``.
     - any other estimator: rollouts without advantages get their group's advantage (see
-      ``group_advantages``) from ``reward`` on every completion token; groups are formed over the
-      whole dataset and only from these rollouts. Rollouts that already carry advantages keep them
-      unchanged. An advantage beyond the float32 range (dr_grpo on rewards that far apart) is a
-      ``DataError`` naming the rollout.
+      ``group_advantages``; a document's length is its labelled tokens) from ``reward`` on every
+      completion token; groups are formed over the whole dataset and only from these rollouts.
+      Rollouts that already carry advantages keep them unchanged. An advantage beyond the float32
+      range (dr_grpo on rewards that far apart) is a ``DataError`` naming the rollout.
     """
     pending = [i for i, r in enumerate(rollouts) if r.advantages is None]
     if not computes_advantages(estimator):
@@ -135,11 +226,12 @@ def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, ep
                     f"{rollouts[i].source}: advantage.estimator={estimator} needs '{field}' on a rollout "
                     "without 'advantage'/'advantages'"
                 )
-    rewards = [rollouts[i].reward for i in pending]
-    groups = [rollouts[i].group_id for i in pending]
+    docs = [rollouts[i] for i in pending]
+    sources = [d.source for d in docs]
+    advantages = group_advantages([d.reward for d in docs], [d.group_id for d in docs], estimator, eps=eps, k=k,
+                                  lengths=[d.num_labelled for d in docs], names=sources)
+    check_in_float32(advantages, sources, estimator)
     result = list(rollouts)
-    advantages = group_advantages(rewards, groups, estimator, eps=eps)
-    check_in_float32(advantages, [rollouts[i].source for i in pending], estimator)
     for i, value in zip(pending, advantages):
         result[i] = result[i].with_advantages((value,) * len(result[i].completion_ids))
     return result
@@ -147,11 +239,11 @@ def apply_advantage_estimator(rollouts: Sequence[Rollout], estimator: str, *, ep
 
 def check_in_float32(advantages: Sequence[float], names: Sequence[str], estimator: str) -> None:
     """A ``DataError`` naming the first of ``names`` whose advantage is beyond the float32 range that
-    training computes in (grpo's never is; dr_grpo's ``r - mean`` can be)."""
+    training computes in (grpo's and passk's never is; dr_grpo's ``r - mean`` can be)."""
     for name, value in zip(names, advantages):
         if abs(value) > FLOAT32_MAX:
             raise DataError(
                 f"{name}: field 'reward': advantage.estimator={estimator} makes it the advantage {value!r} (reward "
-                f"minus its group's mean), {FLOAT32_RANGE}. Scale the rewards down, or use advantage.estimator=grpo "
-                "(normalised by the group's std)."
+                f"minus its group's baseline), {FLOAT32_RANGE}. Scale the rewards down, or use "
+                "advantage.estimator=grpo (normalised by the group's std)."
             )

@@ -43,7 +43,8 @@ class OnPolicyRollouts:
 
     Every rank draws its own ``prompts_per_step`` prompts and samples ``group_size`` completions
     of each, at most ``max_new_tokens`` tokens long; a group is the completions of one prompt.
-    ``estimator`` is one of `group_estimators()`, ``eps`` is ``advantage.eps`` (see `group_advantages`).
+    ``estimator`` is one of `group_estimators()`, ``eps`` and ``k`` are ``advantage.eps`` and ``advantage.k``
+    (see `group_advantages`; a completion's length is its number of tokens).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class OnPolicyRollouts:
         max_new_tokens: int,
         estimator: str = "grpo",
         eps: float,
+        k: int | None = None,
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
@@ -75,6 +77,7 @@ class OnPolicyRollouts:
         self.max_new_tokens = max_new_tokens
         self.estimator = estimator
         self.eps = eps
+        self.k = k
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -110,8 +113,9 @@ class OnPolicyRollouts:
         )
         rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
         group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
-        advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps)
         sources = [f"rollout:step {step} rank {self.rank} #{i}" for i in range(len(completions))]
+        advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps, k=self.k,
+                                      lengths=[len(c.ids) for c in completions], names=sources)
         check_in_float32(advantages, sources, self.estimator)
         lines = [self._completion_line(owners[i], completions[i], rewards[i], advantages[i], group_ids[i])
                  for i in pick(group_ids, log_completions)]  # before `take_reward_stats` forgets the terms

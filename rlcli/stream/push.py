@@ -18,7 +18,7 @@ BATCH = 500  # records per round trip
 
 
 def train_advantage() -> DictConfig:
-    """`rlcli train`'s ``advantage`` config (``estimator``, ``eps``), composed as `rlcli train` composes it
+    """`rlcli train`'s ``advantage`` config (``estimator``, ``eps``, ``k``), composed as `rlcli train` composes it
     (with a local ``rlcli_local/`` config): what `rlcli stream push` computes advantages with by default."""
     from hydra import compose, initialize_config_module
 
@@ -29,18 +29,22 @@ def train_advantage() -> DictConfig:
         return compose(config_name="config").advantage
 
 
-def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, eps: float, out: TextIO) -> None:
+def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, eps: float, out: TextIO, *,
+               k: int | None = None) -> None:
     """Push every record of the files ``patterns`` name into ``stream`` at ``url``; print a summary.
 
     A record without ``id`` gets its source (``path:line``, ``path:row N``), one without
     ``policy_version`` gets 0, and those without ``advantage``/``advantages`` get one from ``reward``
-    per ``group_id`` over all the files with estimator ``advantage`` and ``eps`` (as ``advantage.*`` of
-    `rlcli train`; estimator ``none``: they are an error). Any problem (a malformed line, a duplicate
-    id, ...) is a `DataError` naming the record, raised before anything is pushed; an unreachable
-    ``url`` is a `UserError` too.
+    per ``group_id`` over all the files with estimator ``advantage``, ``eps`` and ``k`` (as ``advantage.*``
+    of `rlcli train`; estimator ``none``: they are an error; ``passk`` needs ``k``). Any problem (a
+    malformed line, a duplicate id, ...) is a `DataError` naming the record, raised before anything is
+    pushed; an unreachable ``url`` is a `UserError` too.
     """
     if not eps > 0:
         raise UserError(f"--eps: must be > 0, got {eps}")
+    if (advantage == "passk") != (k is not None) or (k is not None and k < 1):
+        raise UserError(f"--k: the k of pass@k, an int >= 1 with --advantage passk and only with it; got {k} "
+                        f"with --advantage {advantage}")
     sources, records = _read(patterns)
     if not computes_advantages(advantage):
         missing = [s for s, r in zip(sources, records) if r.get("advantage") is None and r.get("advantages") is None]
@@ -50,7 +54,7 @@ def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, e
                             "'reward' per 'group_id'")
     try:
         if computes_advantages(advantage):
-            records = group_advantages_for(records, advantage, eps=eps, names=sources)
+            records = group_advantages_for(records, advantage, eps=eps, k=k, names=sources)
         for source, record in zip(sources, records):
             check_record(record, source)
     except ValueError as err:

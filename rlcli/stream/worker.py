@@ -142,6 +142,7 @@ class SamplerWorker:
         self.rollouts = OnPolicyRollouts(
             self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
             max_new_tokens=r.max_new_tokens, estimator=self.advantage.estimator, eps=self.advantage.eps,
+            k=self.advantage.k,
             seed=self.seed, rank=self.worker, world_size=self.sample.workers,
         )
         self.version = version

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rlcli.data.errors import format_problem
-from rlcli.rollout.advantages import group_advantages
+from rlcli.data.schema import validate_record
+from rlcli.rollout.advantages import estimator_keywords, group_advantages
 from rlcli.stream.connection import connect
 from rlcli.stream.records import DEFAULT_STREAM, FIELD, check_record, encode
 
@@ -40,16 +41,19 @@ def group_advantages_for(
     estimator: str,
     *,
     eps: float,
+    k: int | None = None,
     names: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Copies of ``records`` where each one without ``advantage``/``advantages`` gets ``advantage``
     from its ``reward`` within the records sharing its ``group_id``.
 
-    ``estimator`` and ``eps`` are the trainer's ``advantage.estimator`` and ``advantage.eps``, as in
-    `rlcli.rollout.advantages.group_advantages` (``grpo``: ``(r - mean) / (std + eps)``, population std;
-    ``dr_grpo``: ``r - mean``); records that carry an advantage are kept as they are and left out of the
-    groups. Give whole groups: a group split across two
-    calls is normalised in two pieces. Errors name the record as ``names[i]`` (default ``record i``).
+    ``estimator``, ``eps`` and ``k`` are the trainer's ``advantage.estimator``, ``advantage.eps`` and
+    ``advantage.k``, as in `rlcli.rollout.advantages.group_advantages` (``grpo``: ``(r - mean) / (std + eps)``,
+    population std; ``dr_grpo``: ``r - mean``; ``rloo``, ``opo``, ``passk``: docs/concepts/math.md#advantages;
+    ``opo`` weighs by the labelled tokens of each record, which must then be a whole rollout record);
+    records that carry an advantage are kept as they are and left out of the groups. Give whole groups:
+    a group split across two calls is normalised in two pieces. Errors name the record as ``names[i]``
+    (default ``record i``).
     """
     names = names if names is not None else [f"record {i}" for i in range(len(records))]
     pending = [i for i, r in enumerate(records) if r.get("advantage") is None and r.get("advantages") is None]
@@ -61,8 +65,12 @@ def group_advantages_for(
         if isinstance(group_id, bool) or not isinstance(group_id, (str, int)):
             raise ValueError(format_problem(names[i], "group_id", f"is {group_id!r}, expected a string or an int "
                                             "(the record has no 'advantage' or 'advantages')"))
+    lengths = None
+    if "lengths" in estimator_keywords(estimator):
+        lengths = [validate_record(records[i], source=names[i], index=i, vocab_size=None).num_labelled
+                   for i in pending]
     values = group_advantages([records[i]["reward"] for i in pending], [records[i]["group_id"] for i in pending],
-                              estimator, eps=eps)
+                              estimator, eps=eps, k=k, lengths=lengths, names=[names[i] for i in pending])
     result = [dict(r) for r in records]
     for i, value in zip(pending, values):
         result[i]["advantage"] = value

@@ -82,7 +82,8 @@ class RolloutsKind(DataKind):
             if lacking:
                 raise DataError(f"{lacking[0].source}: no 'ref_logprobs', and kl.reference=rollouts reads the "
                                 f"reference's log-probs from every record ({len(lacking)} records lack them)")
-        rollouts = apply_advantage_estimator(rollouts, cfg.advantage.estimator, eps=cfg.advantage.eps)
+        rollouts = apply_advantage_estimator(rollouts, cfg.advantage.estimator, eps=cfg.advantage.eps,
+                                             k=cfg.advantage.k)
         log.info("data: %d documents for training", len(rollouts))
         return rollouts
 

@@ -112,6 +112,7 @@ class GenerateKind(DataKind):
             generator = OnPolicyRollouts(
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
+                k=cfg.advantage.k,
                 seed=cfg.seed, rank=rank, world_size=world_size,
             )
             name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"

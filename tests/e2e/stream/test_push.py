@@ -95,6 +95,19 @@ def test_push_computes_grpo_advantages_with_the_eps_given(redis_url, tmp_path):
     assert [r["advantage"] for r in entries(redis_url)] == [0.5, -0.5]
 
 
+def test_push_computes_passk_and_opo_advantages(redis_url, tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", *(json.dumps(doc(reward=r, group_id="g")) for r in (0.0, 1.0, 0.0, 0.0)),
+                    json.dumps(doc(reward=1.0, group_id="h", completion_mask=[1, 0])),
+                    json.dumps(doc(reward=0.0, group_id="h")))
+    assert main(["stream", "push", a, "--url", redis_url, "--stream", STREAM, "--advantage", "passk", "--k", "2"]) == 0
+    # g: N = 4, c = 1, k = 2 (math.md's example): 1 for the correct one, -1/3 for the others; h: N = 2, c = 1: every
+    # pair holds the correct one, no signal
+    assert [r["advantage"] for r in entries(redis_url)] == pytest.approx([-1 / 3, 1.0, -1 / 3, -1 / 3, 0.0, 0.0])
+    assert main(["stream", "push", a, "--url", redis_url, "--stream", "opo", "--advantage", "opo"]) == 0
+    # h: 1 and 2 labelled tokens: baseline (1·1 + 2·0)/3 = 1/3
+    assert [r["advantage"] for r in entries(redis_url, "opo")[4:]] == pytest.approx([2 / 3, -1 / 3], rel=1e-15)
+
+
 def test_push_defaults_are_the_training_config(tmp_path, capsys):
     advantage = compose_train_config().advantage
     with pytest.raises(SystemExit):

@@ -148,7 +148,7 @@ def test_apply_grpo_needs_reward_and_group(missing):
 
 def test_apply_unknown_estimator():
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        apply_advantage_estimator([rollout("a:1", reward=1.0, group_id="g")], "rloo", eps=EPS)
+        apply_advantage_estimator([rollout("a:1", reward=1.0, group_id="g")], "ppo", eps=EPS)
 
 
 def test_a_registered_estimator_is_one_function_and_a_config_choice(monkeypatch):
@@ -161,12 +161,18 @@ def test_a_registered_estimator_is_one_function_and_a_config_choice(monkeypatch)
     def spread(rewards, *, eps):
         return [r - min(rewards) for r in rewards]
 
+    @ADVANTAGE_ESTIMATORS.register("longest")  # declares the lengths, and gets them
+    def longest(rewards, *, lengths):
+        return [float(n == max(lengths)) for n in lengths]
+
     assert group_advantages([1.0, 3.0, 2.0, 2.0], ["a", "a", "a", "b"], "spread", eps=EPS) == [0.0, 2.0, 1.0, 0.0]
+    assert group_advantages([1.0, 3.0, 2.0], ["a"] * 3, "longest", eps=EPS, lengths=[4, 9, 2]) == [0.0, 1.0, 0.0]
     cfg = validate_config(compose_train_config(["data=generate", "advantage.estimator=spread"]))
     assert cfg.advantage.estimator == "spread"
-    with pytest.raises(ConfigError, match=r"must be one of \['none', 'grpo', 'dr_grpo', 'spread'\], got 'nope'"):
+    with pytest.raises(ConfigError, match=r"must be one of \['none', 'grpo', 'dr_grpo', 'rloo', 'opo', 'passk', "
+                       r"'spread', 'longest'\], got 'nope'"):
         validate_config(compose_train_config(["advantage.estimator=nope"]))
-    with pytest.raises(ConfigError, match="need grpo or dr_grpo or spread"):
+    with pytest.raises(ConfigError, match="need grpo or dr_grpo or rloo or opo or passk or spread or longest"):
         validate_config(compose_train_config(["data=generate", "advantage.estimator=none"]))
 
 
@@ -250,7 +256,7 @@ def test_dr_grpo_advantage_beyond_float32_is_a_data_error_naming_the_record():
         apply_advantage_estimator(rollouts, "dr_grpo", eps=EPS)
     assert str(error.value).startswith(
         "a.jsonl:1: field 'reward': advantage.estimator=dr_grpo makes it the advantage 1e+39 (reward minus its "
-        "group's mean), outside the float32 range ±3.4028234663852886e+38 that training computes in."
+        "group's baseline), outside the float32 range ±3.4028234663852886e+38 that training computes in."
     )
     # grpo normalises by the group's std: the same rewards give ±1
     assert [r.advantages[0] for r in apply_advantage_estimator(rollouts, "grpo", eps=EPS)] == [1.0, -1.0, 1.0, -1.0]
