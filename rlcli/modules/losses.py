@@ -398,7 +398,7 @@ class GSPOToken(GSPO, DualClipLoss):
         capped = self.dual_capped(torch.exp(log_seq_ratio), advantages)  # [N]
         # with A_t >= 0 the objective reads s_t only through min(s_t, 1 + eps_high): a larger log R_d gives the
         # same value, so stop it where exp stays finite (an inf R_d times the clipped branch's 0 would be NaN);
-        # a capped token's s_t is never read: 0 there, for the same reason
+        # a capped token's s_t is never read: its log R_d is 0 there, for the same reason
         cap = math.log1p(self.eps_high) + 1.0
         log_seq_ratio = torch.where((advantages >= 0) & (log_seq_ratio > cap), cap, log_seq_ratio)
         log_seq_ratio = torch.where(capped, 0.0, log_seq_ratio)

@@ -46,9 +46,10 @@ def test_generated_rollouts_with_entropy_gspo_and_eval(tmp_path):
 def test_rollout_files_with_kl_correction_and_exact_steps(tmp_path, small_rollouts):
     found = run(tmp_path / "run", ["data=rollouts", f"data.paths=[{small_rollouts}]", "kl.coef=0.1",
                                    "correction.mode=truncate", "trainer.docs_per_step=3",
-                                   "trainer.docs_per_step_mode=exact"])
+                                   "trainer.docs_per_step_mode=exact", "loss.dual_clip=3"])
     expected = {"kl_ref", "mismatch_kl", "is_weight_mean", "is_weight_max", "is_masked_fraction",
-                "carried_documents", "max_advantage", "min_advantage", "old_logprobs", "new_logprobs"}
+                "carried_documents", "max_advantage", "min_advantage", "old_logprobs", "new_logprobs",
+                "dual_clipped_fraction"}
     assert expected <= found
 
 

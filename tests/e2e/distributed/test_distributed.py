@@ -14,7 +14,7 @@ from factories import initial_policy, rollout_record, write_jsonl
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
 from rlcli.model.scorer import TokenScorer
-from rlcli.modules import Correction, HeadSpec, KLPenalty, LossInputs, LossSpec, policy_loss
+from rlcli.modules import Correction, HeadSpec, KLPenalty, LossInputs, LossSpec, PolicyLoss, make_loss, policy_loss
 from rlcli.rollout.advantages import apply_advantage_estimator
 from train_helpers import compose_train_config, run_rlcli
 
@@ -29,6 +29,8 @@ TERM_OVERRIDES = ["kl.coef=0.05", "kl.reference=rollouts", "kl.ratio_weighted=tr
                   "correction.mode=truncate", "correction.high=1.5"]
 TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05, ratio_weighted=True), entropy_coef=0.01,
                       correction=Correction(mode="truncate", high=1.5))
+# the dual clip's c (math.md#dual-clip) on ratios around 1.2 (`raised_ratio_rollouts`): it caps some tokens, not all
+DUAL_CLIP = 1.2
 
 
 def two_rank_overrides(data, strategy, *extra):
@@ -36,7 +38,8 @@ def two_rank_overrides(data, strategy, *extra):
             "trainer.accelerator=cpu", "logger=none", *extra]
 
 
-def reference_parameters(data, docs: list[int], loss: str, aggregation: str, divisor, terms: bool = False) -> dict:
+def reference_parameters(data, docs: list[int], loss: str | PolicyLoss, aggregation: str, divisor,
+                         terms: bool = False) -> dict:
     """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all); with ``terms``
     the KL penalty to the records' ref_logprobs, the entropy bonus and the mismatch correction too (the
     proximal log-probs of a first step are the current ones)."""
@@ -82,7 +85,16 @@ def spread_rollouts(tmp_path_factory):
     return write_jsonl(path, records)
 
 
-def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_rollouts):
+@pytest.fixture(scope="module")
+def raised_ratio_rollouts(spread_rollouts, tmp_path_factory):
+    """``spread_rollouts`` with the sampler's log-probs lowered by 0.3: the first step's ratios lie around 1.2."""
+    records = [json.loads(line) for line in spread_rollouts.read_text().splitlines()]
+    for r in records:
+        r["old_logprobs"] = [lp - 0.3 for lp in r["old_logprobs"]]
+    return write_jsonl(tmp_path_factory.mktemp("raised") / "rollouts.jsonl", records)
+
+
+def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_rollouts, raised_ratio_rollouts):
     rng = random.Random(0)
     jobs = []
     for strategy in ("ddp", "fsdp2"):
@@ -103,11 +115,24 @@ def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_ro
                              f"optimizer.lr={LR}", "trainer.grad_clip=0", "trainer.max_steps=1",
                              f"trainer.docs_per_step={DOCS_PER_STEP}", f"data.max_tokens={rng.randint(14, 40)}",
                          )})
+        for loss, aggregation in (("grpo", "token_mean"), ("gspo_token", "sample_mean")):
+            jobs.append({"name": f"{strategy}-{loss}-dual_clip", "case": (loss, aggregation, None),
+                         "overrides": two_rank_overrides(
+                             raised_ratio_rollouts, strategy, f"loss={loss}", f"loss.dual_clip={DUAL_CLIP}",
+                             f"aggregation={aggregation}", "optimizer=sgd", f"optimizer.lr={LR}", "trainer.grad_clip=0",
+                             "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
+                             f"data.max_tokens={rng.randint(14, 40)}",
+                         )})
     run_ranks(jobs, tmp_path)
     for job in jobs:
         docs = first_step_documents(tmp_path, job["name"])
         assert len(docs) >= DOCS_PER_STEP
-        expected, initial = reference_parameters(spread_rollouts, docs, *job["case"])
+        data, case = spread_rollouts, job["case"]
+        if job["name"].endswith("dual_clip"):
+            data, case = raised_ratio_rollouts, (make_loss(case[0], dual_clip=DUAL_CLIP), *case[1:])
+            header, row = (tmp_path / job["name"] / "metrics.csv").read_text().splitlines()
+            assert float(row.split(",")[header.split(",").index("dual_clipped_fraction")]) > 0, job["name"]  # it acts
+        expected, initial = reference_parameters(data, docs, *case)
         actual = torch.load(tmp_path / f"{job['name']}.pt")
         update_error = sum((actual[k].double() - expected[k]).norm() ** 2 for k in expected) ** 0.5
         update_size = sum((expected[k] - initial[k]).norm() ** 2 for k in expected) ** 0.5
