@@ -72,7 +72,8 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
     conn = connect(typed.data.url)
     signals = StopSignals()
     worker = SamplerWorker(
-        conn, task, rollout=typed.rollout, advantage=typed.advantage, data=typed.data, sample=typed.sample,
+        conn, task, rollout=typed.rollout, advantage=typed.advantage, reward=typed.reward, data=typed.data,
+        sample=typed.sample,
         seed=typed.seed, worker=index, stop=lambda: signals.received is not None,
         trust_remote_code=getattr(typed.model, "trust_remote_code", False), completions=run_dir / "completions.jsonl",
     )

@@ -144,6 +144,24 @@ def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
                "the rollouts' ref_logprobs (kl.reference=rollouts)")
 
 
+@rule("reward", "rollout", "data", "trainer", commands=TRAINING)
+def overlong_shaping(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """The overlong reward and the masking of truncated completions shape what rlcli samples
+    (math.md#overlong-shaping)."""
+    buffer, r = cfg.reward.overlong_buffer, cfg.rollout
+    if buffer is not None and r is None:
+        yield (f"reward.overlong_buffer: shapes the rewards of the completions rlcli samples (data=generate, or "
+               f"rlcli sample with data=stream), not the records of data={cfg.data.kind}, which carry their rewards")
+    if r is None:
+        return
+    if buffer is not None and buffer > r.max_new_tokens:
+        yield f"reward.overlong_buffer: {buffer} is more than rollout.max_new_tokens={r.max_new_tokens} tokens"
+    if r.mask_truncated and cfg.data.kind == "generate" and cfg.trainer.minibatches > 1:
+        yield (f"rollout.mask_truncated: drops a whole group when all its completions are truncated, so a batch may "
+               f"hold fewer groups than trainer.minibatches={cfg.trainer.minibatches} (a group is never split "
+               "between updates); use trainer.minibatches=1")
+
+
 @rule("advantage", "rollout", commands=TRAINING)
 def pass_at_k(cfg: TrainConfig, command: str) -> Iterator[str]:
     """``advantage.k`` is pass@k's k, of ``passk`` alone; it must not exceed a group (math.md#advantages)."""

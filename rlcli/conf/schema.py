@@ -225,6 +225,9 @@ class RolloutConfig:
     log_completions: int = described(
         "rollouts of each step (each sampler round) written with their text to completions.jsonl, one of each "
         "group in turn (0: off)", ge=0)
+    mask_truncated: bool = described(
+        "drop the completions that reach max_new_tokens without a stop after their group's advantages are "
+        "computed: they train no token and count in no total (DAPO's overlong filtering)")
     stop: list[Union[str, int]] = described(
         "stop strings and token ids that end a completion (kept in it), besides eos")
     vllm: Any = described(
@@ -253,6 +256,16 @@ class AdvantageConfig:
     eps: float = described("the eps of grpo's (r - mean) / (std + eps)", gt=0)
     k: Optional[int] = described(
         "passk: the k of pass@k, at most the group's size (required with estimator=passk, only valid with it)", ge=1)
+
+
+@dataclass
+class RewardConfig:
+    """DAPO's overlong reward, added to the rewards of the completions rlcli samples (math.md#overlong-shaping)."""
+
+    overlong_buffer: Optional[int] = described(
+        "L_c: the last L_c tokens before rollout.max_new_tokens, over which the overlong reward falls linearly from "
+        "0 to -1 (null: off)", ge=1)
+    overlong_penalty: float = described("p: the overlong reward's weight in the reward", ge=0)
 
 
 @dataclass
@@ -290,7 +303,8 @@ class TrainerConfig:
     batch_epochs: int = described("passes over each batch, its mini-batches reshuffled by the seed", ge=1)
     grad_clip: float = described("the largest gradient norm; 0 disables clipping", ge=0)
     max_bad_steps: int = described(
-        "steps in a row with a non-finite loss or gradient before the run stops", ge=1)
+        "steps in a row with a non-finite loss or gradient (or, with rollout.mask_truncated, every completion "
+        "truncated) before the run stops", ge=1)
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"] = described(
         "Lightning's precision of the training step")
     accelerator: Literal["auto", "cpu", "gpu"] = described(
@@ -406,6 +420,7 @@ class TrainConfig:
     publish: Optional[PublishConfig] = described("weight publishing, with data=stream")
     sample: Optional[SampleConfig] = described("the samplers, with data=stream")
     advantage: AdvantageConfig = described("advantages from rewards")
+    reward: RewardConfig = described("the overlong reward of sampled completions")
     eval: EvalConfig = described("evaluation")
     optimizer: Union[AdamWConfig, SGDConfig] = described("the optimizer")
     trainer: TrainerConfig = described("the training loop")

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from rlcli.data.schema import Rollout, validate_record
+from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
 from rlcli.rollout.completions import pick, text_row
+from rlcli.rollout.overlong import NO_SHAPING, Overlong, overlong_reward
 from rlcli.rollout.sampler import Sampler
 
 __all__ = ["METRICS", "OnPolicyRollouts", "step_seed"]
@@ -28,6 +30,12 @@ METRICS = {
     "completion_length": Metric("data=generate", "the mean number of completion tokens (the stop token included)"),
     "stopped_fraction": Metric("data=generate", "the fraction of completions that ended with a stop token rather "
                                "than at `rollout.max_new_tokens`"),
+    "reward/overlong": Metric("data=generate (and rlcli sample's log) with reward.overlong_buffer", "the mean "
+                              "overlong reward `R_len` (unweighted, in [-1, 0]) of the step's completions "
+                              "(math.md#overlong-shaping)"),
+    "truncated_fraction": Metric("data=generate (and rlcli sample's log) with rollout.mask_truncated=true", "the "
+                                 "fraction of the step's sampled completions that were truncated (no stop within "
+                                 "`rollout.max_new_tokens`), which the step does not train"),
 }
 
 
@@ -45,6 +53,7 @@ class OnPolicyRollouts:
     of each, at most ``max_new_tokens`` tokens long; a group is the completions of one prompt.
     ``estimator`` is one of `group_estimators()`, ``eps`` and ``k`` are ``advantage.eps`` and ``advantage.k``
     (see `group_advantages`; a completion's length is its number of tokens).
+    ``overlong``: the overlong reward and the masking of truncated completions (`rlcli.rollout.overlong`).
     """
 
     def __init__(
@@ -61,11 +70,14 @@ class OnPolicyRollouts:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        overlong: Overlong = NO_SHAPING,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1:
             raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if overlong.buffer is not None and overlong.buffer > max_new_tokens:
+            raise ValueError(f"the overlong buffer {overlong.buffer} is longer than max_new_tokens={max_new_tokens}")
         if estimator not in group_estimators():
             raise ValueError(f"estimator must be one of {', '.join(group_estimators())}, got {estimator!r}")
         if not 0 <= rank < world_size:
@@ -81,6 +93,7 @@ class OnPolicyRollouts:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.overlong = overlong
 
     @property
     def documents_per_step(self) -> int:
@@ -88,10 +101,12 @@ class OnPolicyRollouts:
         return self.prompts_per_step * self.group_size
 
     def generate(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
-        """This rank's rollouts for ``step`` (grouped by prompt, in order) and their statistics:
-        mean ``reward``, ``accuracy`` (fraction exactly correct), mean ``completion_length`` and
-        ``stopped_fraction`` (completions that ended with eos), and the task's
-        ``take_reward_stats()`` where it has one (``reward/<name>``, ``reward_errors``)."""
+        """This rank's rollouts for ``step`` (grouped by prompt, in order; without the truncated ones under
+        ``overlong.mask_truncated``) and the statistics of all its sampled completions: mean ``reward``,
+        ``accuracy`` (fraction exactly correct), mean ``completion_length`` and ``stopped_fraction``
+        (completions that ended with eos), ``reward/overlong`` and ``truncated_fraction`` where the
+        shaping is on, and the task's ``take_reward_stats()`` where it has one (``reward/<name>``,
+        ``reward_errors``)."""
         rollouts, stats, _ = self.generate_logged(step, 0)
         return rollouts, stats
 
@@ -112,18 +127,26 @@ class OnPolicyRollouts:
             generator=generator,
         )
         rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
+        shaping = self.overlong
+        overlong = None if shaping.buffer is None else [
+            overlong_reward(len(c.ids), self.max_new_tokens, shaping.buffer) for c in completions]
+        if overlong is not None:
+            rewards = [r + shaping.penalty * o for r, o in zip(rewards, overlong)]
         group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
         sources = [f"rollout:step {step} rank {self.rank} #{i}" for i in range(len(completions))]
         advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps, k=self.k,
                                       lengths=[len(c.ids) for c in completions], names=sources)
         check_in_float32(advantages, sources, self.estimator)
-        lines = [self._completion_line(owners[i], completions[i], rewards[i], advantages[i], group_ids[i])
+        lines = [self._completion_line(owners[i], completions[i], rewards[i], advantages[i], group_ids[i],
+                                       None if overlong is None else overlong[i])
                  for i in pick(group_ids, log_completions)]  # before `take_reward_stats` forgets the terms
 
         first_index = (step * self.world_size + self.rank) * self.documents_per_step
         vocab_size = self.sampler.vocab_size
         rollouts = []
         for i, (prompt, completion) in enumerate(zip(owners, completions)):
+            if shaping.mask_truncated and not completion.stopped:
+                continue  # its group's advantages counted it; it is no document of the step
             record = {
                 "prompt_ids": list(prompt.ids),
                 "completion_ids": completion.ids,
@@ -144,12 +167,21 @@ class OnPolicyRollouts:
         }
         if hasattr(self.task, "take_reward_stats"):  # per-term means of a task's RewardSet
             stats.update(self.task.take_reward_stats())
+        if overlong is not None:
+            if "reward/overlong" in stats:
+                raise UserError("task.rewards: a term named 'overlong' would share the column reward/overlong with "
+                                "reward.overlong_buffer's overlong reward; give the term another name")
+            stats["reward/overlong"] = sum(overlong) / n
+        if shaping.mask_truncated:
+            stats["truncated_fraction"] = sum(not c.stopped for c in completions) / n
         return rollouts, stats, lines
 
     def _completion_line(self, prompt: Any, completion: Any, reward: float, advantage: float,
-                         group_id: str) -> dict:
+                         group_id: str, overlong: float | None) -> dict:
         decode = self.task.tokenizer.decode
         terms = self.task.reward_terms(prompt, completion.ids) if hasattr(self.task, "reward_terms") else {}
+        if overlong is not None:
+            terms = {**terms, "overlong": overlong}
         return text_row(prompt=decode(prompt.ids), completion=decode(completion.ids), rewards=terms, reward=reward,
                         advantage=advantage, length=len(completion.ids), stopped=completion.stopped,
                         group_id=group_id)

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
+from rlcli.conf.schema import AdvantageConfig, RewardConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.writers import to_record
 from rlcli.errors import UserError
 from rlcli.rollout.onpolicy import OnPolicyRollouts, step_seed
+from rlcli.rollout.overlong import Overlong
 from rlcli.rollout.samplers import Samplers
 from rlcli.stream.connection import RedisConnection
 from rlcli.stream.queue import newest_weights, unread
@@ -50,6 +51,7 @@ class SamplerWorker:
         *,
         rollout: RolloutConfig,
         advantage: AdvantageConfig,
+        reward: RewardConfig,
         data: StreamDataConfig,
         sample: SampleConfig,
         seed: int,
@@ -62,6 +64,7 @@ class SamplerWorker:
         self.task = task
         self.rollout = rollout
         self.advantage = advantage
+        self.overlong = Overlong.of(reward, rollout)
         self.data = data
         self.sample = sample
         self.worker = worker
@@ -143,7 +146,7 @@ class SamplerWorker:
             self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
             max_new_tokens=r.max_new_tokens, estimator=self.advantage.estimator, eps=self.advantage.eps,
             k=self.advantage.k,
-            seed=self.seed, rank=self.worker, world_size=self.sample.workers,
+            seed=self.seed, rank=self.worker, world_size=self.sample.workers, overlong=self.overlong,
         )
         self.version = version
         log.info("sampler %d: sampling with the weights v%d from %s", self.worker, version, path)
@@ -161,8 +164,10 @@ class SamplerWorker:
             records.append(record)
         self.writer.push_many(records)
         self._log_completions(round_, lines)
-        log.info("sampler %d: round %d: v%d, reward %.3f, pushed %d records, %d unread", self.worker, round_,
-                 self.version, stats["reward"], len(records),
+        shaped = "".join(f", {name} {stats[name]:.3f}" for name in ("reward/overlong", "truncated_fraction")
+                         if name in stats)
+        log.info("sampler %d: round %d: v%d, reward %.3f%s, pushed %d records, %d unread", self.worker, round_,
+                 self.version, stats["reward"], shaped, len(records),
                  unread(self.conn, self.data.stream, self.data.group))
         self.rounds += 1
 

@@ -110,7 +110,7 @@ class PolicyModule(L.LightningModule):
         None when every rank has used up its data."""
         if self.batch is None or self.batch.remaining == 0:
             collected = self.source.next_batch(self.batches_done, self.device)
-            if passes(collected.micro_batches, self.device) == 0:
+            if passes(collected.micro_batches, self.device) == 0 and self.source.ends_when_empty:
                 return None
             trainer = self.trainer_config
             self.batch = BatchPlan(

@@ -23,7 +23,10 @@ class StepSource(ABC):
     to continue exactly; ``after_update(step)`` is called on every rank after each training step
     (``step`` counts them as ``metrics.csv`` does: the policy's version), and ``checkpoint_durable()``
     once the checkpoint of the latest ``state_dict`` is safely on disk; ``interrupt()`` when a signal
-    stops the run."""
+    stops the run. A source whose ``ends_when_empty`` is False never runs out: an empty batch on every
+    rank is a step with nothing to train on."""
+
+    ends_when_empty: ClassVar[bool] = True
 
     @abstractmethod
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:

@@ -11,11 +11,14 @@ import torch
 from rlcli.conf import build_target
 from rlcli.data.document_stream import pack_documents
 from rlcli.data.writers import append_jsonl
+from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import computes_advantages, group_estimators
 from rlcli.rollout.onpolicy import OnPolicyRollouts
+from rlcli.rollout.overlong import Overlong
 from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
+from rlcli.training import distributed
 from rlcli.training.collect import CollectedBatch
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
@@ -33,11 +36,17 @@ class OnPolicySource(StepSource):
     """Each batch samples fresh groups from the current policy (all of them form the batch). With
     ``save_to`` the rollouts are also written there; the checkpoint holds how many, so a resumed run
     cuts the file back to them and a fresh one starts it anew: no record is written twice. Each batch
-    also carries the lines of ``completions.jsonl`` for ``log_completions`` of its rollouts."""
+    also carries the lines of ``completions.jsonl`` for ``log_completions`` of its rollouts. A batch may
+    hold no document (``rollout.mask_truncated`` and every completion truncated): an empty step, not the end;
+    ``max_empty`` such batches in a row on every rank stop the run with a `UserError`."""
+
+    ends_when_empty = False
 
     def __init__(self, rollouts: OnPolicyRollouts, *, max_tokens: int, save_to: Path | None = None,
-                 log_completions: int = 0):
+                 log_completions: int = 0, max_empty: int = 1):
         self.rollouts = rollouts
+        self.max_empty = max_empty
+        self.empty_in_a_row = 0
         self.max_tokens = max_tokens
         self.save_to = save_to
         self.log_completions = log_completions
@@ -45,6 +54,8 @@ class OnPolicySource(StepSource):
 
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
         documents, stats, completions = self.rollouts.generate_logged(index, self.log_completions)
+        if self.rollouts.overlong.mask_truncated:
+            self._count_empty(len(documents), device)
         if self.rollouts.sampler.sync_seconds is not None:  # a colocated vLLM engine's
             stats["weight_sync_time"] = self.rollouts.sampler.sync_seconds
         if self.save_to is not None:
@@ -55,6 +66,16 @@ class OnPolicySource(StepSource):
             self.saved += len(documents)
         return CollectedBatch(list(pack_documents(documents, self.max_tokens)), stats=stats, completions=completions)
     # prompts and samples derive from (seed, batch index, rank): nothing else to keep
+
+    def _count_empty(self, documents: int, device: torch.device) -> None:
+        total = distributed.all_reduce(torch.tensor(documents, device=device), "sum")
+        self.empty_in_a_row = self.empty_in_a_row + 1 if total == 0 else 0
+        if self.empty_in_a_row >= self.max_empty:
+            raise UserError(
+                f"rollout.mask_truncated: every completion of {self.empty_in_a_row} steps in a row reached "
+                f"rollout.max_new_tokens={self.rollouts.max_new_tokens} without a stop, so no step trained anything "
+                "(trainer.max_bad_steps bounds such steps too); raise rollout.max_new_tokens, or set "
+                "rollout.mask_truncated=false")
 
     def state_dict(self) -> dict:
         return {"saved": self.saved or 0}
@@ -113,10 +134,11 @@ class GenerateKind(DataKind):
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
                 k=cfg.advantage.k,
-                seed=cfg.seed, rank=rank, world_size=world_size,
+                seed=cfg.seed, rank=rank, world_size=world_size, overlong=Overlong.of(cfg.reward, r),
             )
             name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"
             return OnPolicySource(generator, max_tokens=cfg.data.max_tokens,
-                                  save_to=self.run_dir / name if r.save else None, log_completions=r.log_completions)
+                                  save_to=self.run_dir / name if r.save else None, log_completions=r.log_completions,
+                                  max_empty=cfg.trainer.max_bad_steps)
 
         return make_source

@@ -20,7 +20,7 @@ import torch
 
 from factories import tiny_policy
 from rlcli.commands.sample import with_stream_data
-from rlcli.conf.schema import AdvantageConfig, RolloutConfig, SampleConfig, StreamDataConfig
+from rlcli.conf.schema import AdvantageConfig, RewardConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.schema import validate_record
 from rlcli.rollout.tasks import ReverseTask
 from rlcli.stream.connection import connect
@@ -52,9 +52,10 @@ def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: in
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
                             temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, log_completions=2,
-                            stop=[], vllm={"dtype": "float32", "enforce_eager": True})
+                            mask_truncated=False, stop=[], vllm={"dtype": "float32", "enforce_eager": True})
     return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
-                         data=data, sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
+                         reward=RewardConfig(overlong_buffer=None, overlong_penalty=1.0), data=data,
+                         sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
                          stop=stop, completions=completions)
 
 
