@@ -22,7 +22,7 @@ from factories import tiny_policy
 from rlcli.commands.sample import with_stream_data
 from rlcli.conf.schema import AdvantageConfig, RewardConfig, RolloutConfig, SampleConfig, StreamDataConfig
 from rlcli.data.schema import validate_record
-from rlcli.rollout.tasks import ReverseTask
+from rlcli.rollout.tasks import Prompt, ReverseTask
 from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.stream.records import decode
@@ -47,14 +47,15 @@ def announce(conn, version: int, path: Path | None, documents_seen: int = 0, fin
 
 
 def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False,
-                engine: str = "hf", completions: Path | None = None):
+                engine: str = "hf", completions: Path | None = None, overlong_buffer: int | None = None,
+                mask_truncated: bool = False):
     data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
                             temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, log_completions=2,
-                            mask_truncated=False, stop=[], vllm={"dtype": "float32", "enforce_eager": True})
-    return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS),
-                         reward=RewardConfig(overlong_buffer=None, overlong_penalty=1.0), data=data,
+                            mask_truncated=mask_truncated, stop=[], vllm={"dtype": "float32", "enforce_eager": True})
+    return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS, None),
+                         reward=RewardConfig(overlong_buffer=overlong_buffer, overlong_penalty=0.5), data=data,
                          sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
                          stop=stop, completions=completions)
 
@@ -115,6 +116,27 @@ def test_rounds_push_valid_records_with_grpo_advantages_and_sampler_logprobs(red
         reference = grpo_reference([r["reward"] for r in group])
         for record, advantage in zip(group, reference):
             assert record["advantages"] == pytest.approx([advantage] * len(record["completion_ids"]), abs=1e-12)
+    worker.close()
+
+
+def test_rounds_push_shaped_rewards_and_no_truncated_completion(redis_url, tmp_path):
+    """The sampler shapes as the trainer does (math.md#overlong-shaping): with reward.overlong_buffer=2 and
+    p = 0.5 each pushed reward is the task's plus 0.5 x R_len(|y|) (float64, from the formula), and with
+    rollout.mask_truncated no pushed completion lacks its eos."""
+    conn = connect(redis_url)
+    announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
+    worker = make_worker(redis_url, overlong_buffer=2, mask_truncated=True)
+    assert worker.run(max_rounds=2) == "rounds"
+    records = stream_records(conn)
+    task = ReverseTask()
+    assert 0 < len(records) < 2 * PROMPTS * GROUP_SIZE  # the untrained policy truncates some completions
+    for record in records:
+        ids = record["completion_ids"]
+        assert ids[-1] == task.tokenizer.eos_id
+        text = task.tokenizer.decode(record["prompt_ids"])
+        plain = task.reward(Prompt(text=text, ids=tuple(record["prompt_ids"]), answer=text[:-1][::-1]), ids)
+        r_len = 0.0 if len(ids) <= 4 - 2 else ((4 - 2) - len(ids)) / 2
+        assert record["reward"] == plain + 0.5 * r_len
     worker.close()
 
 
