@@ -166,10 +166,8 @@ def overlong_shaping(cfg: TrainConfig, command: str) -> Iterator[str]:
 def pass_at_k(cfg: TrainConfig, command: str) -> Iterator[str]:
     """``advantage.k`` is pass@k's k, of ``passk`` alone; it must not exceed a group (math.md#advantages)."""
     estimator, k = cfg.advantage.estimator, cfg.advantage.k
-    if estimator == "passk" and k is None:
-        yield "advantage.k: is required for advantage.estimator=passk (the k of pass@k, e.g. advantage.k=4)"
-    if estimator != "passk" and k is not None:
-        yield f"advantage.k: only valid with advantage.estimator=passk, not {estimator!r}"
+    yield from _only_with("advantage.k", k, "advantage.estimator", estimator, "passk",
+                          "the k of pass@k, e.g. advantage.k=4")
     if estimator == "passk" and k is not None and cfg.rollout is not None and k > cfg.rollout.group_size:
         yield (f"advantage.k: {k} is more than rollout.group_size={cfg.rollout.group_size}, the documents of a "
                "group (pass@k needs k <= the group's size)")
@@ -177,22 +175,24 @@ def pass_at_k(cfg: TrainConfig, command: str) -> Iterator[str]:
 
 @rule("aggregation", commands=TRAINING)
 def aggregation_divisor(cfg: TrainConfig, command: str) -> Iterator[str]:
-    name, divisor = cfg.aggregation.name, cfg.aggregation.divisor
-    if name == "constant" and divisor is None:
-        yield ("aggregation.divisor: is required for aggregation=constant "
-               "(e.g. the maximum completion length, or 1 to normalise by documents)")
-    if name != "constant" and divisor is not None:
-        yield f"aggregation.divisor: only valid with aggregation=constant, not {name!r}"
+    yield from _only_with("aggregation.divisor", cfg.aggregation.divisor, "aggregation", cfg.aggregation.name,
+                          "constant", "e.g. the maximum completion length, or 1 to normalise by documents")
 
 
 @rule("objective", commands=TRAINING)
 def objective_last_k(cfg: TrainConfig, command: str) -> Iterator[str]:
     """``last_k`` is the window of mean_last, and of no other reduction."""
-    reduce, last_k = cfg.objective.reduce, cfg.objective.last_k
-    if reduce == "mean_last" and last_k is None:
-        yield "objective.last_k: is required for objective.reduce=mean_last (objective=mean_last sets it)"
-    if reduce != "mean_last" and last_k is not None:
-        yield f"objective.last_k: only valid with objective.reduce=mean_last, not {reduce!r}"
+    yield from _only_with("objective.last_k", cfg.objective.last_k, "objective.reduce", cfg.objective.reduce,
+                          "mean_last", "objective=mean_last sets it")
+
+
+def _only_with(key: str, value, owner: str, chosen: str, wanted: str, example: str) -> Iterator[str]:
+    """``key`` belongs to ``owner=wanted`` alone: required there (``example`` says what to set), an error with
+    any other choice."""
+    if chosen == wanted and value is None:
+        yield f"{key}: is required for {owner}={wanted} ({example})"
+    if chosen != wanted and value is not None:
+        yield f"{key}: only valid with {owner}={wanted}, not {chosen!r}"
 
 
 @rule("model", "trainer", commands=TRAINING)
