@@ -50,14 +50,26 @@ class Run:
         """Rank 1's process id, once it blocks exactly the run's signals (``holding``: `rlcli.signals.hold`,
         not the moment glibc blocks every signal to start a thread) or catches them: from then on it
         handles them instead of dying of them."""
-        self.wait_until(lambda: descendants(self.process.pid))
-        (pid,) = self.seen
+        self.wait_until(lambda: self._rank_one() is not None)
+        pid = self._rank_one()
         mask = sum(1 << (s - 1) for s in EXIT_CODES)
         if holding:
             self.wait_until(lambda: int(_status(pid).get("SigBlk", "0"), 16) == mask, poll=0.005)
         else:
             self.wait_until(lambda: int(_status(pid).get("SigCgt", "0"), 16) & mask == mask)
         return pid
+
+    def _rank_one(self) -> int | None:
+        """The run's second process: Lightning starts it with ``LOCAL_RANK=1``. Rank 0 also runs short-lived
+        helpers (``git``, for the run's manifest), which are no rank."""
+        for pid in descendants(self.process.pid):
+            try:
+                environ = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue  # exited meanwhile
+            if b"\0LOCAL_RANK=1\0" in environ:
+                return pid
+        return None
 
     def finish(self) -> str:
         """Wait for the end (a hang fails); the run's output, checked for tracebacks and leftover processes."""
