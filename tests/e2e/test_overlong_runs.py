@@ -78,8 +78,8 @@ class NoStopTask(ReverseTask):
 def test_steps_whose_completions_are_all_truncated_are_empty_steps_and_stop_the_run(tmp_path):
     """Every completion truncated: a step trains nothing (no update, empty_steps counts it) instead of ending
     the run as if its data were used up; trainer.max_bad_steps such steps in a row stop it with a clear error."""
-    overrides = ["rollout.mask_truncated=true", "~task", "+task._target_=test_overlong.NoStopTask",
-                 "allow_targets=[test_overlong]", "trainer.max_bad_steps=3"]
+    overrides = ["rollout.mask_truncated=true", "~task", "+task._target_=test_overlong_runs.NoStopTask",
+                 "allow_targets=[test_overlong_runs]", "trainer.max_bad_steps=3"]
     with pytest.raises(UserError, match=r"^rollout.mask_truncated: every completion of 3 steps in a row reached "
                                         r"rollout.max_new_tokens=4 without a stop"):
         run(tmp_path, *overrides, steps=10)
