@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from rlcli.conf import group_options, quiet_local_config_folder
 from rlcli.conf.schema import TrainConfig
 from rlcli.conf.targets import is_trusted, trusted_modules
-from rlcli.conf.typecheck import Target, bounds_of, schema_fields, union_member
+from rlcli.conf.typecheck import Target, schema_fields, union_member
 from rlcli.conf.validate import loss_class
+from rlcli.modules.bounds import BOUNDS, bound_text, bounds_of
 
 # the keys Hydra itself reads in a node it builds
 HYDRA_KEYS = {
@@ -103,7 +104,7 @@ def _loss_options(node: dict, allowed: tuple[str, ...]) -> dict[str, tuple[Any, 
 
 
 def _field(value, hint, meta: dict, path: str, out: list[Row], allowed: tuple[str, ...]) -> None:
-    members = [m for m in typing.get_args(hint) if m is not type(None)] if typing.get_origin(hint) is Union else [hint]
+    members = [m for m in _members(hint) if m is not type(None)]
     groups = [m for m in members if dataclasses.is_dataclass(m)]
     if groups and isinstance(value, dict):
         cls = groups[0] if len(groups) == 1 else union_member(value, groups)
@@ -187,10 +188,6 @@ def type_text(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _number(bound) -> str:
-    return str(bound) if isinstance(bound, int) else f"{bound:g}"
-
-
 def limits_text(hint, meta: dict) -> str:
     """The bounds (``>= 0``, ``[0, 1)``) and the choices (``one of a, b``) of a key."""
     parts = []
@@ -198,10 +195,10 @@ def limits_text(hint, meta: dict) -> str:
     low = next((k for k in ("ge", "gt") if k in bounds), None)
     high = next((k for k in ("le", "lt") if k in bounds), None)
     if low and high:
-        parts.append(f"{'[(' [low == 'gt']}{_number(bounds[low])}, {_number(bounds[high])}{'])'[high == 'lt']}")
+        parts.append(f"{'[(' [low == 'gt']}{bound_text(bounds[low])}, {bound_text(bounds[high])}{'])'[high == 'lt']}")
     elif low or high:
         key = low or high
-        parts.append(f"{ {'ge': '>=', 'gt': '>', 'le': '<=', 'lt': '<'}[key]} {_number(bounds[key])}")
+        parts.append(f"{BOUNDS[key][1]} {bound_text(bounds[key])}")
     choices = [a for m in _members(hint) if typing.get_origin(m) is Literal for a in typing.get_args(m)]
     if choices:
         parts.append("one of " + ", ".join(str(c) for c in choices))

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlcli.modules.bounds import BOUNDS, INT64
+from rlcli.modules.bounds import BOUNDS, INT64, bound_text, bounds_of
 
 DISCRIMINATORS = ("name", "kind")
 
@@ -34,11 +34,6 @@ def described(doc: str, **bounds) -> Any:
     """A config key's field: its one-line description (``rlcli train --help``, the config reference)
     and its numeric bounds, e.g. ``max_lag: int = described("the staleness bound, in versions", ge=0)``."""
     return dataclasses.field(metadata={"doc": doc, **bounds})
-
-
-def bounds_of(meta: dict) -> dict[str, float]:
-    """The numeric bounds (``ge``/``gt``/``le``/``lt``) of a field's metadata."""
-    return {name: meta[name] for name in BOUNDS if name in meta}
 
 
 def built(builder: Callable[[DictConfig], Any]) -> Any:
@@ -120,7 +115,7 @@ def _check_bounds(value, meta: dict, path: str, problems: list[str]) -> None:
     for name, bound in bounds_of(meta).items():
         holds, symbol = BOUNDS[name]
         if not holds(value, bound):
-            problems.append(f"{path}: must be {symbol} {bound if isinstance(bound, int) else f'{bound:g}'}, "
+            problems.append(f"{path}: must be {symbol} {bound_text(bound)}, "
                             f"got {value!r}")
 
 

@@ -48,12 +48,22 @@ def check_value(name: str, value, bounds: dict[str, float]) -> None:
         raise ValueError(f"{name} must be {describe(bounds)}; got {value!r}")
 
 
+def bounds_of(meta) -> dict[str, float]:
+    """The numeric bounds (``ge``/``gt``/``le``/``lt``) among a field's metadata ``meta``."""
+    return {key: meta[key] for key in BOUNDS if key in meta}
+
+
+def bound_text(bound: float) -> str:
+    """A bound as messages and docs write it: an integer as is, a float in ``%g``."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
 def check_bounds(options) -> None:
     """Raise ``ValueError`` naming the first field of the dataclass instance ``options`` that is not a
     finite number within the bounds of its metadata. Fields without bounds are not checked, nor None in
     an ``Optional`` field (an option that is off)."""
     for f in fields(options):
-        bounds = {key: f.metadata[key] for key in BOUNDS if key in f.metadata}
+        bounds = bounds_of(f.metadata)
         value = getattr(options, f.name)
         if bounds and not (value is None and _optional(type(options), f.name)):
             check_value(f.name, value, bounds)

@@ -37,10 +37,10 @@ from omegaconf import OmegaConf
 
 from rlcli.commands.app import group_override_errors
 from rlcli.conf import build_target, schema
-from rlcli.conf.typecheck import bounds_of
 from rlcli.conf.validate import validate_config
 from rlcli.errors import UserError
 from rlcli.modules import LOSSES
+from rlcli.modules.bounds import bounds_of
 from train_helpers import compose_train_config, run_rlcli
 
 FUZZ = settings(
