@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlcli.report.runs import Run
+from rlcli.report.runs import Run, logged_values
 from rlcli.report.stats import Estimate, estimate, probability_of_improvement
 
 __all__ = ["KEY_METRICS", "OBJECTIVE", "Group", "final_value", "group_runs", "improvement", "primary"]
@@ -36,7 +36,7 @@ def final_value(run: Run, metric: str) -> float | None:
     if metric == OBJECTIVE:
         value = (run.objective or {}).get("value")
         return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
-    values = [v for v in (run.metrics or {}).get(metric, []) if not math.isnan(v)]
+    values = logged_values(run, metric)
     return values[-1] if values else None
 
 

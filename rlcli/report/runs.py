@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "read_json_object", "read_metrics",
-           "read_objective", "read_overrides"]
+__all__ = ["STATUSES", "ReportError", "Run", "find_runs", "has_values", "load_run", "logged_values", "read_json_object",
+           "read_metrics", "read_objective", "read_overrides"]
 
 
 class ReportError(Exception):
@@ -46,6 +46,11 @@ STATUSES = {
     "no metrics": "no metrics.csv: failed before its first step, or not started yet",
     "unreadable": "a file of the run could not be read (the reason follows)",
 }
+
+
+def logged_values(run: Run, metric: str) -> list[float]:
+    """The non-empty cells of a run's ``metrics.csv`` column, in step order (``[]`` without metrics or column)."""
+    return [v for v in (run.metrics or {}).get(metric, []) if not math.isnan(v)]
 
 
 def has_values(metrics: dict[str, list[float]], metric: str) -> bool:

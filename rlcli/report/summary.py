@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.text import Text
 
 from rlcli.report.groups import KEY_METRICS as BEST
 from rlcli.report.groups import Group
-from rlcli.report.runs import STATUSES, Run, has_values
+from rlcli.report.runs import STATUSES, Run, has_values, logged_values
 
 __all__ = ["NOTE", "Summary", "cell_text", "markdown_table", "print_summary", "rich_table", "summarize", "write_csv",
            "write_markdown"]
@@ -37,10 +36,6 @@ class Summary:
     rows: list[dict[str, Cell]]
 
 
-def _values(run: Run, metric: str) -> list[float]:
-    return [v for v in (run.metrics or {}).get(metric, []) if not math.isnan(v)]
-
-
 def summarize(runs: list[Run], groups: list[Group] | None = None) -> Summary:
     """The table: ``member, status, overrides, steps``, then ``<metric>_final`` and
     ``<metric>_best_<min|max>`` for each key metric that some member has, then the member's
@@ -59,10 +54,10 @@ def summarize(runs: list[Run], groups: list[Group] | None = None) -> Summary:
         if groups:
             row["group"] = group_of[run.path]
         if run.metrics is not None:
-            steps = _values(run, "step")
+            steps = logged_values(run, "step")
             row["steps"] = int(steps[-1]) if steps else 0
         for metric in metrics:
-            values = _values(run, metric)
+            values = logged_values(run, metric)
             if values:
                 row[f"{metric}_final"] = values[-1]
                 if BEST[metric]:
