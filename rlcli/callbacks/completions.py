@@ -10,13 +10,12 @@ step it resumes from.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from rlcli.storage import keep_steps
+from rlcli.callbacks.step_lines import StepLinesLog
 
 
 def flat(line: dict) -> dict:
@@ -43,37 +42,21 @@ def markdown(lines: list[dict]) -> str:
     return "\n".join(table)
 
 
-class CompletionsLog(L.Callback):
+class CompletionsLog(StepLinesLog):
     """Appends each step's lines (``outputs["completions"]`` of `rlcli.training.module.PolicyModule.training_step`)
-    to ``path`` and to the TensorBoard and wandb loggers of the trainer; it must come before the
-    checkpoint callback, so that a checkpoint never holds a step the file lacks."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._continue = False  # append to the file (a resumed run) rather than start it anew
+    to ``path`` and to the TensorBoard and wandb loggers of the trainer."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if outputs and outputs["completions"]:
             self.append(trainer, outputs["step"], outputs["completions"])
 
-    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self.resume_at(pl_module.steps_done)  # the module has restored its state first
-
     @rank_zero_only
     def append(self, trainer: L.Trainer, step: int, lines: list[dict]) -> None:
         lines = [{"step": step, **line} for line in lines]
-        with self.path.open("a" if self._continue else "w", encoding="utf-8") as handle:
-            self._continue = True
-            handle.writelines(json.dumps(line) + "\n" for line in lines)
+        self.write(lines)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("completions", markdown(lines), global_step=step)
             elif isinstance(logger, WandbLogger):
                 rows = [flat(line) for line in lines]
                 logger.log_table("completions", columns=list(rows[0]), data=[list(row.values()) for row in rows])
-
-    @rank_zero_only
-    def resume_at(self, step: int) -> None:
-        """Keep the lines of steps up to ``step``; later steps are trained again."""
-        self._continue = True
-        keep_steps(self.path, step)
