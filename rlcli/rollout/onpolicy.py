@@ -1,29 +1,34 @@
 """On-policy rollouts: sample groups of completions from the current policy, score them, and
 turn them into validated `Rollout` documents with group advantages (rollout-record.md).
 
-Stateless: the prompts and samples of a step come from a seed derived from ``(seed, step, rank)``,
-so a resumed run regenerates exactly what it would have, given the same model weights.
+Stateless: the prompts and samples of a step come from seeds derived from ``(seed, step, rank)`` (and
+the sampling round, under dynamic sampling), so a resumed run regenerates exactly what it would have,
+given the same model weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rlcli.data.readers import Rejection
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
 from rlcli.rollout.completions import pick, text_row
+from rlcli.rollout.filtering import NO_FILTER, GroupFilter, filter_metric_of, filtered_reason, zero_variance_groups
 from rlcli.rollout.overlong import NO_SHAPING, Overlong, overlong_reward
 from rlcli.rollout.sampler import Sampler
 
 __all__ = ["METRICS", "OnPolicyRollouts", "step_seed"]
 
-# the statistics of `OnPolicyRollouts.generate`, means over the step's rollouts (and over processes)
+# the statistics of `OnPolicyRollouts.generate`: means over every completion the step sampled (the kept and
+# the filtered groups' alike), or counts of this process; each then averaged over processes
 METRICS = {
     "reward": Metric("data=generate", "the mean reward of the step's completions"),
     "accuracy": Metric("data=generate", "the fraction of the step's completions that are correct (`task.is_correct`)"),
@@ -36,13 +41,39 @@ METRICS = {
     "truncated_fraction": Metric("data=generate (and rlcli sample's log) with rollout.mask_truncated=true", "the "
                                  "fraction of the step's sampled completions that were truncated (no stop within "
                                  "`rollout.max_new_tokens`), which the step does not train"),
+    "groups_kept": Metric("data=generate (and rlcli sample's log) with rollout.filter=zero_variance", "groups the "
+                          "step trains, per process (at most rollout.prompts_per_step; mean over processes; "
+                          "math.md#dynamic-sampling)"),
+    "groups_filtered": Metric("data=generate (and rlcli sample's log) with rollout.filter=zero_variance", "groups "
+                              "the step sampled and dropped for an equal rollout.filter_metric across the group, per "
+                              "process (mean over processes)"),
+    "sampling_rounds": Metric("data=generate (and rlcli sample's log) with rollout.filter=zero_variance", "rounds "
+                              "of sampling the step took, per process (1 to rollout.max_sampling_rounds; mean over "
+                              "processes)"),
 }
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed for one step of one rank, well mixed so that neighbouring steps differ."""
-    digest = hashlib.sha256(f"rlcli-rollout/{seed}/{step}/{rank}".encode()).digest()
+def step_seed(seed: int, step: int, rank: int, round_: int = 0) -> int:
+    """A 63-bit seed for one sampling round of one step of one rank, well mixed so that neighbouring steps
+    differ (round 0 is the step's only round without dynamic sampling)."""
+    name = f"rlcli-rollout/{seed}/{step}/{rank}" + (f"/{round_}" if round_ else "")
+    digest = hashlib.sha256(name.encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One sampled completion, scored: its task reward, correctness, overlong reward (None: no shaping) and
+    shaped reward, with its group id and source."""
+
+    prompt: Any
+    completion: Any
+    task_reward: float
+    correct: bool
+    overlong: float | None
+    reward: float
+    group_id: str
+    source: str
 
 
 class OnPolicyRollouts:
@@ -53,7 +84,8 @@ class OnPolicyRollouts:
     of each, at most ``max_new_tokens`` tokens long; a group is the completions of one prompt.
     ``estimator`` is one of `group_estimators()`, ``eps`` and ``k`` are ``advantage.eps`` and ``advantage.k``
     (see `group_advantages`; a completion's length is its number of tokens).
-    ``overlong``: the overlong reward and the masking of truncated completions (`rlcli.rollout.overlong`).
+    ``overlong``: the overlong reward and the masking of truncated completions (`rlcli.rollout.overlong`);
+    ``group_filter``: dynamic sampling (`rlcli.rollout.filtering`).
     """
 
     def __init__(
@@ -71,6 +103,7 @@ class OnPolicyRollouts:
         rank: int = 0,
         world_size: int = 1,
         overlong: Overlong = NO_SHAPING,
+        group_filter: GroupFilter = NO_FILTER,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1:
             raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
@@ -94,6 +127,7 @@ class OnPolicyRollouts:
         self.rank = rank
         self.world_size = world_size
         self.overlong = overlong
+        self.group_filter = group_filter
 
     @property
     def documents_per_step(self) -> int:
@@ -101,12 +135,13 @@ class OnPolicyRollouts:
         return self.prompts_per_step * self.group_size
 
     def generate(self, step: int) -> tuple[list[Rollout], dict[str, float]]:
-        """This rank's rollouts for ``step`` (grouped by prompt, in order; without the truncated ones under
-        ``overlong.mask_truncated``) and the statistics of all its sampled completions: mean ``reward``,
-        ``accuracy`` (fraction exactly correct), mean ``completion_length`` and ``stopped_fraction``
-        (completions that ended with eos), ``reward/overlong`` and ``truncated_fraction`` where the
-        shaping is on, and the task's ``take_reward_stats()`` where it has one (``reward/<name>``,
-        ``reward_errors``)."""
+        """This rank's rollouts for ``step`` (grouped by prompt, in order; only the kept groups under
+        ``group_filter``; without the truncated ones under ``overlong.mask_truncated``) and the statistics of
+        all its sampled completions: mean ``reward``, ``accuracy`` (fraction exactly correct), mean
+        ``completion_length`` and ``stopped_fraction`` (completions that ended with eos), ``reward/overlong``
+        and ``truncated_fraction`` where the shaping is on, ``groups_kept``, ``groups_filtered`` and
+        ``sampling_rounds`` where the filter is on, and the task's ``take_reward_stats()`` where it has one
+        (``reward/<name>``, ``reward_errors``)."""
         rollouts, stats, _ = self.generate_logged(step, 0)
         return rollouts, stats
 
@@ -114,11 +149,63 @@ class OnPolicyRollouts:
         """`generate`, and the lines of ``completions.jsonl`` for ``log_completions`` of the rollouts
         (`rlcli.rollout.completions`): decoded text and, from a task with ``reward_terms``, each
         term's value."""
-        step_rng = random.Random(step_seed(self.seed, step, self.rank))
-        prompts = self.task.sample_prompts(step_rng, self.prompts_per_step)
-        generator = torch.Generator().manual_seed(step_rng.getrandbits(63))
+        rollouts, stats, lines, _ = self.generate_filtered(step, log_completions)
+        return rollouts, stats, lines
+
+    def generate_filtered(self, step: int, log_completions: int
+                          ) -> tuple[list[Rollout], dict[str, float], list[dict], list[Rejection]]:
+        """`generate_logged`, and a `Rejection` for each completion of a group that ``group_filter`` dropped.
+
+        Round 0 samples ``prompts_per_step`` groups; under ``zero_variance`` each further round samples as many
+        new groups as the kept ones still lack, until the step holds ``prompts_per_step`` kept groups or
+        ``group_filter.max_rounds`` rounds were sampled (math.md#dynamic-sampling). Every round's prompts and
+        samples come from ``(seed, step, rank, round)``."""
+        sampled: list[_Sampled] = []  # every completion of the step's rounds
+        kept: list[_Sampled] = []  # those of the kept groups
+        metric = filter_metric_of(self.task, self.group_filter.metric)
+        rounds = 0
+        while rounds == 0 or (self.group_filter.mode == "zero_variance" and len(kept) < self.documents_per_step
+                              and rounds < self.group_filter.max_rounds):
+            missing = self.prompts_per_step - len(kept) // self.group_size
+            batch = self._sample_round(step, rounds, missing, first_prompt=len(sampled) // self.group_size,
+                                       first_completion=len(sampled))
+            dropped = set() if self.group_filter.mode == "none" else zero_variance_groups(
+                [float(c.correct) if metric == "accuracy" else c.task_reward for c in batch],
+                [c.group_id for c in batch])
+            sampled += batch
+            kept += [c for c in batch if c.group_id not in dropped]
+            rounds += 1
+
+        completions = [c.completion for c in kept]
+        rewards = [c.reward for c in kept]
+        group_ids = [c.group_id for c in kept]
+        sources = [c.source for c in kept]
+        advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps, k=self.k,
+                                      lengths=[len(c.ids) for c in completions], names=sources)
+        check_in_float32(advantages, sources, self.estimator)
+        lines = [self._completion_line(kept[i], advantages[i]) for i in pick(group_ids, log_completions)]
+
+        first_index = (step * self.world_size + self.rank) * self.documents_per_step
+        rollouts = []
+        for i, c in enumerate(kept):
+            if self.overlong.mask_truncated and not c.completion.stopped:
+                continue  # its group's advantages counted it; it is no document of the step
+            record = self._record(c, [advantages[i]] * len(c.completion.ids))
+            rollouts.append(validate_record(record, source=c.source, index=first_index + i,
+                                            vocab_size=self.sampler.vocab_size))
+        kept_groups = set(group_ids)
+        filtered = self._rejections([c for c in sampled if c.group_id not in kept_groups], metric)
+        return rollouts, self._stats(sampled, kept, rounds), lines, filtered
+
+    def _sample_round(self, step: int, round_: int, prompts: int, *, first_prompt: int,
+                      first_completion: int) -> list[_Sampled]:
+        """``prompts`` groups of round ``round_`` of ``step``, scored (their rewards shaped); groups and
+        completions numbered on from ``first_prompt`` and ``first_completion`` within the step."""
+        round_rng = random.Random(step_seed(self.seed, step, self.rank, round_))
+        drawn = self.task.sample_prompts(round_rng, prompts)
+        generator = torch.Generator().manual_seed(round_rng.getrandbits(63))
         tokenizer = self.task.tokenizer
-        owners = [p for p in prompts for _ in range(self.group_size)]  # the prompt of each completion
+        owners = [p for p in drawn for _ in range(self.group_size)]  # the prompt of each completion
         completions = self.sampler.sample(
             [list(p.ids) for p in owners],
             max_new_tokens=self.max_new_tokens,
@@ -126,62 +213,69 @@ class OnPolicyRollouts:
             pad_id=tokenizer.pad_id,
             generator=generator,
         )
-        rewards = [float(self.task.reward(p, c.ids)) for p, c in zip(owners, completions)]
-        shaping = self.overlong
-        overlong = None if shaping.buffer is None else [
-            overlong_reward(len(c.ids), self.max_new_tokens, shaping.buffer) for c in completions]
-        if overlong is not None:
-            rewards = [r + shaping.penalty * o for r, o in zip(rewards, overlong)]
-        group_ids = [f"s{step}-r{self.rank}-p{i // self.group_size}" for i in range(len(completions))]
-        sources = [f"rollout:step {step} rank {self.rank} #{i}" for i in range(len(completions))]
-        advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps, k=self.k,
-                                      lengths=[len(c.ids) for c in completions], names=sources)
-        check_in_float32(advantages, sources, self.estimator)
-        lines = [self._completion_line(owners[i], completions[i], rewards[i], advantages[i], group_ids[i],
-                                       None if overlong is None else overlong[i])
-                 for i in pick(group_ids, log_completions)]  # before `take_reward_stats` forgets the terms
-
-        first_index = (step * self.world_size + self.rank) * self.documents_per_step
-        vocab_size = self.sampler.vocab_size
-        rollouts = []
+        batch = []
         for i, (prompt, completion) in enumerate(zip(owners, completions)):
-            if shaping.mask_truncated and not completion.stopped:
-                continue  # its group's advantages counted it; it is no document of the step
-            record = {
-                "prompt_ids": list(prompt.ids),
-                "completion_ids": completion.ids,
-                "old_logprobs": [min(lp, 0.0) for lp in completion.logprobs],  # float error above 0
-                "advantages": [advantages[i]] * len(completion.ids),
-                "reward": rewards[i],
-                "group_id": group_ids[i],
-                "temperature": self.sampler.temperature,
-            }
-            rollouts.append(validate_record(record, source=sources[i], index=first_index + i, vocab_size=vocab_size))
+            task_reward = float(self.task.reward(prompt, completion.ids))
+            overlong = None if self.overlong.buffer is None else overlong_reward(
+                len(completion.ids), self.max_new_tokens, self.overlong.buffer)
+            reward = task_reward if overlong is None else task_reward + self.overlong.penalty * overlong
+            batch.append(_Sampled(
+                prompt, completion, task_reward, bool(self.task.is_correct(prompt, completion.ids)), overlong, reward,
+                group_id=f"s{step}-r{self.rank}-p{first_prompt + i // self.group_size}",
+                source=f"rollout:step {step} rank {self.rank} #{first_completion + i}"))
+        return batch
 
-        n = len(completions)
+    def _record(self, c: _Sampled, advantages: list[float]) -> dict:
+        return {
+            "prompt_ids": list(c.prompt.ids),
+            "completion_ids": c.completion.ids,
+            "old_logprobs": [min(lp, 0.0) for lp in c.completion.logprobs],  # float error above 0
+            "advantages": advantages,
+            "reward": c.reward,
+            "group_id": c.group_id,
+            "temperature": self.sampler.temperature,
+        }
+
+    def _rejections(self, dropped: list[_Sampled], metric: str) -> list[Rejection]:
+        """A rejection for each completion of a dropped group, with its record (no advantages: none were computed)."""
+        sizes: dict[str, int] = {}
+        for c in dropped:
+            sizes[c.group_id] = sizes.get(c.group_id, 0) + 1
+        return [Rejection(c.source, metric, filtered_reason(
+                    "rollout.filter", metric, c.group_id, sizes[c.group_id],
+                    float(c.correct) if metric == "accuracy" else c.task_reward),
+                    {k: v for k, v in self._record(c, []).items() if k != "advantages"})
+                for c in dropped]
+
+    def _stats(self, sampled: list[_Sampled], kept: list[_Sampled], rounds: int) -> dict[str, float]:
+        """The statistics of every completion sampled in the step (kept or filtered), and the filter's counts."""
+        n = len(sampled)
         stats = {
-            "reward": sum(rewards) / n,
-            "accuracy": sum(self.task.is_correct(p, c.ids) for p, c in zip(owners, completions)) / n,
-            "completion_length": sum(len(c.ids) for c in completions) / n,
-            "stopped_fraction": sum(c.stopped for c in completions) / n,
+            "reward": sum(c.reward for c in sampled) / n,
+            "accuracy": sum(c.correct for c in sampled) / n,
+            "completion_length": sum(len(c.completion.ids) for c in sampled) / n,
+            "stopped_fraction": sum(c.completion.stopped for c in sampled) / n,
         }
         if hasattr(self.task, "take_reward_stats"):  # per-term means of a task's RewardSet
             stats.update(self.task.take_reward_stats())
-        if overlong is not None:
+        if self.overlong.buffer is not None:
             if "reward/overlong" in stats:
                 raise UserError("task.rewards: a term named 'overlong' would share the column reward/overlong with "
                                 "reward.overlong_buffer's overlong reward; give the term another name")
-            stats["reward/overlong"] = sum(overlong) / n
-        if shaping.mask_truncated:
-            stats["truncated_fraction"] = sum(not c.stopped for c in completions) / n
-        return rollouts, stats, lines
+            stats["reward/overlong"] = sum(c.overlong for c in sampled) / n
+        if self.overlong.mask_truncated:
+            stats["truncated_fraction"] = sum(not c.completion.stopped for c in sampled) / n
+        if self.group_filter.mode != "none":
+            stats["groups_kept"] = len(kept) / self.group_size
+            stats["groups_filtered"] = (n - len(kept)) / self.group_size
+            stats["sampling_rounds"] = float(rounds)
+        return stats
 
-    def _completion_line(self, prompt: Any, completion: Any, reward: float, advantage: float,
-                         group_id: str, overlong: float | None) -> dict:
+    def _completion_line(self, c: _Sampled, advantage: float) -> dict:
         decode = self.task.tokenizer.decode
-        terms = self.task.reward_terms(prompt, completion.ids) if hasattr(self.task, "reward_terms") else {}
-        if overlong is not None:
-            terms = {**terms, "overlong": overlong}
-        return text_row(prompt=decode(prompt.ids), completion=decode(completion.ids), rewards=terms, reward=reward,
-                        advantage=advantage, length=len(completion.ids), stopped=completion.stopped,
-                        group_id=group_id)
+        terms = self.task.reward_terms(c.prompt, c.completion.ids) if hasattr(self.task, "reward_terms") else {}
+        if c.overlong is not None:
+            terms = {**terms, "overlong": c.overlong}
+        return text_row(prompt=decode(c.prompt.ids), completion=decode(c.completion.ids), rewards=terms,
+                        reward=c.reward, advantage=advantage, length=len(c.completion.ids),
+                        stopped=c.completion.stopped, group_id=c.group_id)
