@@ -13,6 +13,12 @@ it declares: ``eps`` (``advantage.eps``), ``k`` (``advantage.k``) and ``lengths`
 number of labelled tokens). A ``ValueError`` it raises is a `DataError` naming the group. A group
 of one document, or of equal rewards, has no signal: the built-in estimators give it 0.
 ``none`` is the estimator that computes nothing: the documents carry their advantages.
+
+An estimator may also normalise over the whole batch (all the groups of one call, and of every
+process where the call site gathers them): `batch_stage` gives it a function of the batch's group
+advantages (and ``rewards``, ``lengths`` and ``eps`` where it declares them) that returns the map
+from a document's group advantage to its advantage; ``reinforce_pp_baseline`` and ``grpo_batch_std``
+are built so (math.md#batch-level-estimators).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from rlcli.modules.registry import Registry
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "apply_advantage_estimator",
+    "batch_stage",
     "check_in_float32",
     "computes_advantages",
     "estimator_keywords",
@@ -38,10 +45,53 @@ __all__ = [
 ]
 
 GroupEstimator = Callable[..., list[float]]  # (rewards: list[float], *, [eps], [k], [lengths]) -> list[float]
+# (group advantages of the whole batch, *, [rewards], [lengths], [eps]) -> group advantage -> advantage
+BatchStage = Callable[..., Callable[[float], float]]
+Gather = Callable[[object], list]  # one process's object -> every process's, in rank order
 
 ADVANTAGE_ESTIMATORS: Registry[GroupEstimator] = Registry("advantage estimator")
 
 KEYWORDS = ("eps", "k", "lengths")  # what an estimator may declare, beside the rewards
+
+
+def batch_stage(stage: BatchStage) -> Callable[[GroupEstimator], GroupEstimator]:
+    """Decorator (under ``register``): the estimator's advantages go through ``stage`` over the batch."""
+
+    def mark(estimator: GroupEstimator) -> GroupEstimator:
+        estimator.batch_stage = stage
+        return estimator
+
+    return mark
+
+
+def whiten_over_tokens(parts: list[float], *, lengths: list[int], eps: float) -> Callable[[float], float]:
+    """``(a - mean) / (std + eps)`` with the mean and the population std of the batch's group advantages
+    ``a`` over its labelled tokens (a document's counts ``|y|`` times); 0 in a batch with none."""
+    if sum(lengths) == 0:
+        return lambda a: 0.0
+    scale, mean, std = _batch_moments(parts, lengths)
+    return lambda a: (a / scale - mean) / (std + eps / scale)
+
+
+def by_reward_std(parts: list[float], *, rewards: list[float], eps: float) -> Callable[[float], float]:
+    """``a / (std + eps)`` with the population std of the batch's rewards (one per document)."""
+    scale, _, std = _batch_moments(rewards, [1] * len(rewards))
+    return lambda a: a / scale / (std + eps / scale)
+
+
+def _batch_moments(values: list[float], weights: list[int]) -> tuple[float, float, float]:
+    """``(s, mean, std)``: the ``weights``-weighted mean and population std of ``values / s``, ``s`` the power
+    of two with ``s <= max |v| < 2s`` (1 when all are 0 or none weighs); exact sums (`math.fsum`)."""
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("an advantage beyond the float64 range: scale the rewards down")
+    total = sum(weights)
+    peak = max((abs(v) for v, w in zip(values, weights) if w), default=0.0)
+    if total == 0 or peak == 0:
+        return 1.0, 0.0, 0.0
+    scale = math.ldexp(1.0, math.frexp(peak)[1] - 1)
+    scaled = [v / scale for v in values]
+    mean = math.fsum(w * u for w, u in zip(weights, scaled)) / total
+    return scale, mean, math.sqrt(math.fsum(w * (u - mean) ** 2 for w, u in zip(weights, scaled)) / total)
 
 
 @ADVANTAGE_ESTIMATORS.register("none")
@@ -86,6 +136,22 @@ def rloo(rewards: list[float]) -> list[float]:
     scale, scaled, _ = _scaled(rewards)
     total, others = math.fsum(scaled), len(scaled) - 1
     return [(u - (total - u) / others) * scale for u in scaled]
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+@batch_stage(whiten_over_tokens)
+def reinforce_pp_baseline(rewards: list[float]) -> list[float]:
+    """REINFORCE++-baseline: ``r - mean`` in the group (as ``dr_grpo``), then whitened over every labelled
+    token of the batch (`whiten_over_tokens`)."""
+    return dr_grpo(rewards)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_batch_std")
+@batch_stage(by_reward_std)
+def grpo_batch_std(rewards: list[float]) -> list[float]:
+    """``(r - mean) / (std + eps)`` with the group's mean and the std of the whole batch's rewards
+    (`by_reward_std`; TRL's ``scale_rewards="batch"``)."""
+    return dr_grpo(rewards)
 
 
 @ADVANTAGE_ESTIMATORS.register("opo")
@@ -150,11 +216,19 @@ def group_estimators() -> tuple[str, ...]:
 
 
 def estimator_keywords(estimator: str) -> tuple[str, ...]:
-    """The keywords of `KEYWORDS` that the estimator ``estimator`` declares (all of them with ``**kwargs``)."""
-    parameters = inspect.signature(ADVANTAGE_ESTIMATORS[estimator]).parameters.values()
+    """The keywords of `KEYWORDS` that the estimator ``estimator`` declares, or its batch stage (all of
+    them with ``**kwargs``)."""
+    estimate = ADVANTAGE_ESTIMATORS[estimator]
+    stage = getattr(estimate, "batch_stage", None)
+    declared = {*_declared(estimate), *(_declared(stage) if stage is not None else ())}
+    return tuple(key for key in KEYWORDS if key in declared)
+
+
+def _declared(function: Callable) -> tuple[str, ...]:
+    parameters = inspect.signature(function).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return KEYWORDS
-    return tuple(p.name for p in parameters if p.name in KEYWORDS)
+        return (*KEYWORDS, "rewards")
+    return tuple(p.name for p in parameters if p.name in (*KEYWORDS, "rewards"))
 
 
 def group_advantages(
@@ -166,21 +240,26 @@ def group_advantages(
     k: int | None = None,
     lengths: Sequence[int] | None = None,
     names: Sequence[str] | None = None,
+    gather: Gather | None = None,
 ) -> list[float]:
     """One advantage per reward, by ``estimator`` (one of `group_estimators`) within the documents that
     share a group id. ``eps`` and ``k`` are ``advantage.eps`` and ``advantage.k``, ``lengths`` the
-    documents' labelled tokens (needed by an estimator that declares it, ``opo``). A ``ValueError`` of
-    the estimator is a `DataError` naming the group and its first document, ``names[i]`` (default
-    ``document i``)."""
+    documents' labelled tokens (needed by an estimator that declares it, ``opo``, or whose batch stage
+    does, ``reinforce_pp_baseline``). A ``ValueError`` of the estimator is a `DataError` naming the
+    group and its first document, ``names[i]`` (default ``document i``).
+
+    An estimator with a `batch_stage` normalises over the batch: these documents, and with ``gather``
+    (e.g. `rlcli.training.distributed.all_gather_objects`, called on every process alike) those of
+    every process too; the statistics are then the same on every process, whatever the split."""
     if not computes_advantages(estimator):
         raise ValueError(f"advantage estimator {estimator!r} computes no advantages; expected one of: "
                          f"{', '.join(group_estimators())}")
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
-    keywords = estimator_keywords(estimator)
-    if "lengths" in keywords and (lengths is None or len(lengths) != len(rewards)):
+    if "lengths" in estimator_keywords(estimator) and (lengths is None or len(lengths) != len(rewards)):
         raise ValueError(f"advantage.estimator={estimator} needs one length per reward")
     estimate = ADVANTAGE_ESTIMATORS[estimator]
+    keywords = [key for key in _declared(estimate) if key in KEYWORDS]
     members: dict[Hashable, list[int]] = defaultdict(list)
     for i, group_id in enumerate(group_ids):
         members[group_id].append(i)
@@ -194,7 +273,20 @@ def group_advantages(
             raise DataError(f"group {group_id!r} (first document {first}, {len(indices)} in all): {err}") from None
         for i, value in zip(indices, values):
             advantages[i] = value
-    return advantages
+    stage = getattr(estimate, "batch_stage", None)
+    if stage is None:
+        return advantages
+    local = (advantages, [float(r) for r in rewards], list(lengths) if lengths is not None else None)
+    ranks = gather(local) if gather is not None else [local]
+    batch = {"rewards": [r for rank in ranks for r in rank[1]], "eps": eps,
+             "lengths": None if lengths is None else [n for rank in ranks for n in rank[2]]}
+    try:
+        normalise = stage([a for rank in ranks for a in rank[0]],
+                          **{key: batch[key] for key in _declared(stage) if key in batch})
+    except ValueError as err:
+        raise DataError(f"advantage.estimator={estimator} over the batch of {len(batch['rewards'])} documents: "
+                        f"{err}") from None
+    return [normalise(a) for a in advantages]
 
 
 def apply_advantage_estimator(

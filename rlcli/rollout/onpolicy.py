@@ -19,7 +19,7 @@ from rlcli.data.readers import Rejection
 from rlcli.data.schema import Rollout, validate_record
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
-from rlcli.rollout.advantages import check_in_float32, group_advantages, group_estimators
+from rlcli.rollout.advantages import Gather, check_in_float32, group_advantages, group_estimators
 from rlcli.rollout.completions import pick, text_row
 from rlcli.rollout.filtering import NO_FILTER, GroupFilter, filter_metric_of, filtered_reason, zero_variance_groups
 from rlcli.rollout.overlong import NO_SHAPING, Overlong, overlong_reward
@@ -86,6 +86,8 @@ class OnPolicyRollouts:
     (see `group_advantages`; a completion's length is its number of tokens).
     ``overlong``: the overlong reward and the masking of truncated completions (`rlcli.rollout.overlong`);
     ``group_filter``: dynamic sampling (`rlcli.rollout.filtering`).
+    ``gather``: one process's object to every process's (`rlcli.training.distributed.all_gather_objects`),
+    so that a batch estimator's statistics are those of every process's rollouts of the step (None: this one's).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class OnPolicyRollouts:
         world_size: int = 1,
         overlong: Overlong = NO_SHAPING,
         group_filter: GroupFilter = NO_FILTER,
+        gather: Gather | None = None,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1:
             raise ValueError(f"prompts_per_step and group_size must be >= 1, got {prompts_per_step}, {group_size}")
@@ -128,6 +131,7 @@ class OnPolicyRollouts:
         self.world_size = world_size
         self.overlong = overlong
         self.group_filter = group_filter
+        self.gather = gather
 
     @property
     def documents_per_step(self) -> int:
@@ -181,7 +185,7 @@ class OnPolicyRollouts:
         group_ids = [c.group_id for c in kept]
         sources = [c.source for c in kept]
         advantages = group_advantages(rewards, group_ids, self.estimator, eps=self.eps, k=self.k,
-                                      lengths=[len(c.ids) for c in completions], names=sources)
+                                      lengths=[len(c.ids) for c in completions], names=sources, gather=self.gather)
         check_in_float32(advantages, sources, self.estimator)
         lines = [self._completion_line(kept[i], advantages[i]) for i in pick(group_ids, log_completions)]
 

@@ -135,6 +135,7 @@ class GenerateKind(DataKind):
                 max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
                 k=cfg.advantage.k,
                 seed=cfg.seed, rank=rank, world_size=world_size, overlong=Overlong.of(cfg.reward, r),
+                gather=distributed.all_gather_objects,
             )
             name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"
             return OnPolicySource(generator, max_tokens=cfg.data.max_tokens,
