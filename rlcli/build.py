@@ -90,16 +90,36 @@ def build_reference(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Modul
         return None
     if cfg.kl.reference == "initial":
         return copy.deepcopy(policy)
+    return load_frozen_model("kl.reference", cfg.kl.reference, cfg, policy)
+
+
+def build_teacher(cfg: TrainConfig, policy: torch.nn.Module,
+                  reference: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The teacher of on-policy distillation (``advantage.estimator=distill``): ``reference`` itself when
+    ``kl.reference`` is the same checkpoint (one model, one forward for both), else ``teacher.path``'s."""
+    path = cfg.teacher.path
+    if cfg.advantage.estimator != "distill":
+        return None
+    if reference is not None and cfg.kl.reference not in ("initial", "rollouts") and \
+            Path(cfg.kl.reference).resolve() == Path(path).resolve():
+        return reference
+    return load_frozen_model("teacher.path", path, cfg, policy)
+
+
+def load_frozen_model(key: str, path: str, cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module:
+    """The checkpoint at ``path`` (config key ``key``) with the policy's dtype and attention; a
+    `UserError` naming both models when its vocabulary is not the policy's."""
     model = cfg.model
-    reference = build_policy(HFModelConfig(
-        kind="hf", path=cfg.kl.reference, dtype=model.dtype, gradient_checkpointing=False,
+    frozen = build_policy(HFModelConfig(
+        kind="hf", path=path, dtype=model.dtype, gradient_checkpointing=False,
         attn_implementation=model.attn_implementation, trust_remote_code=getattr(model, "trust_remote_code", False),
         suggested_lr=model.suggested_lr,
     ))
-    if reference.config.vocab_size != policy.config.vocab_size:
-        raise UserError(f"kl.reference: {cfg.kl.reference} has {reference.config.vocab_size} token ids, "
-                        f"the policy {policy.config.vocab_size}")
-    return reference
+    if frozen.config.vocab_size != policy.config.vocab_size:
+        student = model.path if model.kind == "hf" else "model=tiny"
+        raise UserError(f"{key}: {path} has {frozen.config.vocab_size} token ids, the policy ({student}) "
+                        f"{policy.config.vocab_size}; it must share the policy's tokenizer")
+    return frozen
 
 
 def build_publisher(cfg: TrainConfig, run_dir: Path) -> WeightPublisher | None:
@@ -120,10 +140,12 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.processes)
     loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction)
+    reference = build_reference(cfg, policy)
     module = PolicyModule(
         policy, loss, cfg.trainer, partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),
         data.source_factory(policy), seed=cfg.seed, max_tokens=cfg.data.max_tokens,
-        reference=build_reference(cfg, policy), shard=shard,
+        reference=reference, teacher=build_teacher(cfg, policy, reference),
+        distill_coef=cfg.distill.coef if cfg.advantage.estimator == "distill" else None, shard=shard,
     )
     callbacks = build_callbacks(cfg, resolved, run_dir, run, evaluation)
     return module, build_trainer(cfg, resolved, run_dir, strategy, callbacks)

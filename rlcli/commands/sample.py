@@ -63,6 +63,7 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
     from rlcli.conf.validate import validate_config
     from rlcli.stream.connection import connect
     from rlcli.stream.worker import SamplerWorker
+    from rlcli.training.distill import reward_advantage
 
     typed = validate_config(cfg, command="sample")  # data=stream with a data.url and a task
     index = worker_index(typed.sample.workers)
@@ -72,7 +73,8 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
     conn = connect(typed.data.url)
     signals = StopSignals()
     worker = SamplerWorker(
-        conn, task, rollout=typed.rollout, advantage=typed.advantage, reward=typed.reward, data=typed.data,
+        conn, task, rollout=typed.rollout, advantage=reward_advantage(typed.advantage, typed.distill),
+        reward=typed.reward, data=typed.data,
         sample=typed.sample,
         seed=typed.seed, worker=index, stop=lambda: signals.received is not None,
         trust_remote_code=getattr(typed.model, "trust_remote_code", False), completions=run_dir / "completions.jsonl",

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 from rlcli.conf.machine import machine_problems
 from rlcli.conf.schema import StreamDataConfig, TrainConfig
+from rlcli.training.distill import reward_advantage
 from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
 
 COMMANDS = ("train", "sample", "loop", "eval")
@@ -162,15 +163,33 @@ def overlong_shaping(cfg: TrainConfig, command: str) -> Iterator[str]:
                "between updates); use trainer.minibatches=1")
 
 
-@rule("advantage", "rollout", commands=TRAINING)
+@rule("advantage", "distill", "rollout", commands=TRAINING)
 def pass_at_k(cfg: TrainConfig, command: str) -> Iterator[str]:
-    """``advantage.k`` is pass@k's k, of ``passk`` alone; it must not exceed a group (math.md#advantages)."""
-    estimator, k = cfg.advantage.estimator, cfg.advantage.k
-    yield from _only_with("advantage.k", k, "advantage.estimator", estimator, "passk",
-                          "the k of pass@k, e.g. advantage.k=4")
+    """``advantage.k`` is pass@k's k, of ``passk`` alone (``advantage.estimator``, or ``distill.rewards``
+    with distill); it must not exceed a group (math.md#advantages)."""
+    rewards = reward_advantage(cfg.advantage, cfg.distill)
+    owner = "advantage.estimator" if rewards is cfg.advantage else "distill.rewards"
+    estimator, k = rewards.estimator, cfg.advantage.k
+    yield from _only_with("advantage.k", k, owner, estimator, "passk", "the k of pass@k, e.g. advantage.k=4")
     if estimator == "passk" and k is not None and cfg.rollout is not None and k > cfg.rollout.group_size:
         yield (f"advantage.k: {k} is more than rollout.group_size={cfg.rollout.group_size}, the documents of a "
                "group (pass@k needs k <= the group's size)")
+
+
+@rule("advantage", "teacher", "strategy", commands=TRAINING)
+def distillation(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``advantage.estimator=distill`` needs its teacher, a checkpoint that runs beside the whole policy
+    (math.md#on-policy-distillation); ``teacher.path`` is of ``distill`` alone."""
+    path = cfg.teacher.path
+    yield from _only_with("teacher.path", path, "advantage.estimator", cfg.advantage.estimator, "distill",
+                          "a Hugging Face model directory sharing the policy's tokenizer")
+    if cfg.advantage.estimator != "distill" or path is None:
+        return
+    if not (Path(path) / "config.json").is_file():
+        yield f"teacher.path: {path} is not a Hugging Face checkpoint directory (no config.json)"
+    if cfg.strategy.name in ("fsdp", "fsdp2"):
+        yield (f"teacher.path: a teacher runs whole in every process, with strategy=auto or ddp, not "
+               f"{cfg.strategy.name}")
 
 
 @rule("aggregation", commands=TRAINING)

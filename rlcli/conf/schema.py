@@ -22,7 +22,7 @@ from rlcli.modules.bounds import TEMPERATURE
 from rlcli.modules.losses import make_loss
 from rlcli.modules.regularizers import TERM_COEF
 from rlcli.objective import DIRECTIONS, REDUCTIONS
-from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS
+from rlcli.rollout.advantages import ADVANTAGE_ESTIMATORS, group_estimators
 from rlcli.rollout.samplers import ENGINES
 from rlcli.rollout.vllm_engine import OPTION_DOCS as VLLM_OPTIONS
 
@@ -33,6 +33,7 @@ SEED_MAX = 2**32 - 1
 DTYPES = Literal["float32", "bfloat16", "float16"]
 SCHEDULES = Literal["constant", "cosine"]
 ATTENTION = Literal["sdpa", "eager", "flash_attention_2", "varlen"]
+DISTILL_REWARDS = ("none", *(name for name in group_estimators() if name != "distill"))  # distill.rewards
 
 
 def _loss_object(node: DictConfig) -> PolicyLoss:
@@ -252,10 +253,31 @@ class AdvantageConfig:
     estimator: Literal[ADVANTAGE_ESTIMATORS.names()] = described(
         "none (every record must carry advantages), or per group: grpo ((r - mean) / (std + eps)), dr_grpo "
         "(r - mean), rloo (r - mean of the others), opo (r - the length-weighted mean) or passk (pass@k, "
-        "binary rewards)")
+        "binary rewards); distill: on-policy distillation from teacher.path (distill.*)")
     eps: float = described("the eps of grpo's (r - mean) / (std + eps)", gt=0)
     k: Optional[int] = described(
         "passk: the k of pass@k, at most the group's size (required with estimator=passk, only valid with it)", ge=1)
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (advantage.estimator=distill, math.md#on-policy-distillation)."""
+
+    path: Optional[str] = described(
+        "a Hugging Face model directory sharing the policy's tokenizer (required with advantage.estimator=distill, "
+        "only valid with it); the same path as kl.reference shares its model and forward")
+
+
+@dataclass
+class DistillConfig:
+    """What advantage.estimator=distill adds to each token's advantage (math.md#on-policy-distillation)."""
+
+    coef: float = described(
+        "lambda: each token's advantage gets lambda x (teacher_lp - lp), the teacher's minus the trainer's "
+        "log-prob at the start of the batch", **TERM_COEF)
+    rewards: Literal[DISTILL_REWARDS] = described(
+        "the rewards' part of the advantages: none (0: pure distillation) or a group estimator, computed where "
+        "advantage.estimator's would be")
 
 
 @dataclass
@@ -421,6 +443,8 @@ class TrainConfig:
     sample: Optional[SampleConfig] = described("the samplers, with data=stream")
     advantage: AdvantageConfig = described("advantages from rewards")
     reward: RewardConfig = described("the overlong reward of sampled completions")
+    teacher: TeacherConfig = described("the teacher of advantage.estimator=distill")
+    distill: DistillConfig = described("on-policy distillation's advantages (advantage.estimator=distill)")
     eval: EvalConfig = described("evaluation")
     optimizer: Union[AdamWConfig, SGDConfig] = described("the optimizer")
     trainer: TrainerConfig = described("the training loop")

@@ -25,7 +25,8 @@ class Rollout:
     ``old_logprobs``, ``advantages`` and ``completion_mask`` hold one value per completion token.
     ``advantages`` is ``None`` until an advantage estimator fills it from ``reward``.
     ``ref_logprobs`` are a reference policy's log-probs when the record carries them;
-    ``proximal_logprobs`` are the trainer's own at the start of a batch, when it computes them.
+    ``proximal_logprobs`` are the trainer's own at the start of a batch, when it computes them, and
+    ``teacher_logprobs`` a distillation teacher's (`rlcli.training.distill`).
     ``source`` is where the record came from (``"a.jsonl:12"``, 1-based line, or
     ``"b.parquet:row 3"``, 0-based row); ``index`` is its position among the dataset's documents.
     A record read from a stream also has its own ``id`` and the ``policy_version`` that sampled it.
@@ -43,6 +44,7 @@ class Rollout:
     index: int
     ref_logprobs: tuple[float, ...] | None = None
     proximal_logprobs: tuple[float, ...] | None = None
+    teacher_logprobs: tuple[float, ...] | None = None
     id: str | None = None
     policy_version: int | None = None
 

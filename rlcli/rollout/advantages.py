@@ -190,6 +190,14 @@ def passk(rewards: list[float], *, k: int) -> list[float]:
     return [positive if r == 1.0 else negative for r in rewards]
 
 
+@ADVANTAGE_ESTIMATORS.register("distill")
+def distill(rewards: list[float]) -> list[float]:
+    """``distill`` with ``distill.rewards=none``: the rewards add nothing (0 for every document); the trainer
+    adds ``distill.coef`` times the teacher's per-token term at the start of each batch (`rlcli.training.distill`,
+    math.md#on-policy-distillation)."""
+    return [0.0] * len(rewards)
+
+
 def _no_signal(rewards: list[float]) -> bool:
     """A group of one document, or of equal rewards: nothing to prefer, advantage 0."""
     return min(rewards) == max(rewards)

@@ -1,9 +1,10 @@
 """The trainer's own log-probs, computed once at the start of each batch.
 
-The policy's (``proximal_logprobs``, with ``loss.old_logprobs=recompute``) and the reference model's
-(a record's ``ref_logprobs`` field, for a KL penalty to a reference model), by the head the loss uses,
-on the micro-batches of the batch's first epoch: so the batch's first update starts at ratio 1 and
-``kl_ref = 0`` exactly.
+The policy's (``proximal_logprobs``, with ``loss.old_logprobs=recompute`` or a teacher), the reference
+model's (a record's ``ref_logprobs`` field, for a KL penalty to a reference model) and the teacher's
+(``teacher_logprobs``, for on-policy distillation), by the head the loss uses, on the micro-batches of
+the batch's first epoch: so the batch's first update starts at ratio 1 and ``kl_ref = 0`` exactly. One
+model that is both the reference and the teacher runs one forward for both.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from rlcli.training.plan import passes
 
 @torch.no_grad()
 def add_trainer_logprobs(batch: BatchPlan, loss: MicroBatchLoss, device: torch.device, *,
-                         policy: torch.nn.Module, reference: torch.nn.Module | None) -> None:
-    """Give the documents of ``batch`` the log-probs the loss needs from the trainer: ``policy``'s when
-    the loss recomputes them, ``reference``'s when there is a reference model (the scorers, sharded or not)."""
-    scorers = {"proximal_logprobs": policy if loss.recompute else None, "ref_logprobs": reference}
+                         policy: torch.nn.Module, reference: torch.nn.Module | None,
+                         teacher: torch.nn.Module | None = None) -> None:
+    """Give the documents of ``batch`` the log-probs the loss and the distillation need from the trainer:
+    ``policy``'s when the loss recomputes them or there is a teacher, ``reference``'s when there is a
+    reference model, ``teacher``'s when there is a teacher (the scorers, sharded or not)."""
+    scorers = {"proximal_logprobs": policy if loss.recompute or teacher is not None else None,
+               "ref_logprobs": reference, "teacher_logprobs": teacher}
     scorers = {field: scorer for field, scorer in scorers.items() if scorer is not None}  # by `Rollout` field
+    models = {id(scorer): scorer for scorer in scorers.values()}  # one forward for each model
     if not scorers:
         return
     micro_batches = [mb for part in batch.parts(0) for mb in part]
@@ -29,7 +34,8 @@ def add_trainer_logprobs(batch: BatchPlan, loss: MicroBatchLoss, device: torch.d
     for i in range(passes(micro_batches, device)):  # every rank the same passes (a sharded scorer gathers its weights)
         micro_batch = micro_batches[i] if i < len(micro_batches) else None
         t = micro_batch_tensors(micro_batch, device)
-        scored = {field: loss.logprobs(scorer, t) for field, scorer in scorers.items()}  # [L] each
+        by_model = {key: loss.logprobs(scorer, t) for key, scorer in models.items()}  # [L] each
+        scored = {field: by_model[id(scorer)] for field, scorer in scorers.items()}
         if micro_batch is not None:
             per_document = {field: micro_batch.completion_values(v) for field, v in scored.items()}
             for d, doc in enumerate(micro_batch.documents):

@@ -22,6 +22,7 @@ from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric, MetricPartials, finalize_metrics
 from rlcli.training import distributed
 from rlcli.training.batches import BatchPlan, UpdatePlan
+from rlcli.training.distill import add_distill_advantages
 from rlcli.training.guard import UpdateGuard
 from rlcli.training.logprobs import add_trainer_logprobs
 from rlcli.training.loss import MicroBatchLoss
@@ -48,7 +49,9 @@ class PolicyModule(L.LightningModule):
     `StepSource` (`rlcli.training.sources`); the dataloader given to ``Trainer.fit`` only ticks steps.
     ``shard(scorer, device_mesh)`` returns the scorer sharded for FSDP1 or FSDP2
     (`rlcli.training.strategy`). ``reference`` is the frozen reference policy of the KL penalty, when
-    its log-probs come from a model.
+    its log-probs come from a model; ``teacher`` the frozen teacher of on-policy distillation, whose
+    term each token's advantage gets ``distill_coef`` times (`rlcli.training.distill`; the same object
+    as ``reference`` when one model is both).
     """
 
     def __init__(
@@ -62,6 +65,8 @@ class PolicyModule(L.LightningModule):
         seed: int,
         max_tokens: int,
         reference: torch.nn.Module | None = None,
+        teacher: torch.nn.Module | None = None,
+        distill_coef: float | None = None,
         shard: Callable | None = None,
     ) -> None:
         super().__init__()
@@ -69,6 +74,9 @@ class PolicyModule(L.LightningModule):
         self.loss = loss
         self.scorer = loss.scorer(policy)
         self.reference = None if reference is None else loss.scorer(reference.requires_grad_(False))
+        self.teacher = self.reference if teacher is not None and teacher is reference else (
+            None if teacher is None else loss.scorer(teacher.requires_grad_(False)))
+        self.distill_coef = distill_coef
         self.trainer_config = trainer
         self.guard = UpdateGuard(trainer.grad_clip, trainer.max_bad_steps)
         self.seed = seed
@@ -118,7 +126,9 @@ class PolicyModule(L.LightningModule):
                 seed=self.seed, batch=self.batches_done, max_tokens=self.max_tokens, stats=collected.stats,
                 carried_over=collected.carried_over,
             )
-            add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference)
+            add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference,
+                                 teacher=self.teacher)
+            add_distill_advantages(self.batch, self.distill_coef, self.device)
             self.completions = collected.completions
             self.batches_done += 1
         return self.batch.next_update()

@@ -35,6 +35,11 @@ SECTIONS = (
             "With `data=generate`: each process's means over the rollouts it sampled for the step, then the mean "
             "over processes.",
             ("rlcli.rollout.onpolicy", "rlcli.training.sources.generate")),
+    Section("On-policy distillation",
+            "With `advantage.estimator=distill`, for every data kind: computed at the start of each batch over "
+            "every process ([on-policy distillation](../concepts/math.md#on-policy-distillation)); `tlp` is the "
+            "teacher's log-prob, `prox` the trainer's own.",
+            ("rlcli.training.distill",)),
     Section("Prompt tasks",
             "With `task=prompts` (and `data=generate`): the task's statistics of the completions it scored for the "
             "step, each process's, then the mean over processes. The reward is "

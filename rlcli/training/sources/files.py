@@ -15,6 +15,7 @@ from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.rollout.advantages import apply_advantage_estimator
 from rlcli.rollout.completions import ids_row, pick
 from rlcli.training.collect import CollectedBatch, collect_batch
+from rlcli.training.distill import reward_advantage
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
 log = logging.getLogger("rlcli")
@@ -82,8 +83,8 @@ class RolloutsKind(DataKind):
             if lacking:
                 raise DataError(f"{lacking[0].source}: no 'ref_logprobs', and kl.reference=rollouts reads the "
                                 f"reference's log-probs from every record ({len(lacking)} records lack them)")
-        rollouts = apply_advantage_estimator(rollouts, cfg.advantage.estimator, eps=cfg.advantage.eps,
-                                             k=cfg.advantage.k)
+        advantage = reward_advantage(cfg.advantage, cfg.distill)  # distill.rewards with advantage.estimator=distill
+        rollouts = apply_advantage_estimator(rollouts, advantage.estimator, eps=advantage.eps, k=advantage.k)
         log.info("data: %d documents for training", len(rollouts))
         return rollouts
 

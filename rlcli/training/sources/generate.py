@@ -20,6 +20,7 @@ from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
 from rlcli.training import distributed
 from rlcli.training.collect import CollectedBatch
+from rlcli.training.distill import reward_advantage
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
 if TYPE_CHECKING:
@@ -127,13 +128,13 @@ class GenerateKind(DataKind):
 
     def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
         cfg, r = self.cfg, self.cfg.rollout
+        advantage = reward_advantage(cfg.advantage, cfg.distill)  # distill.rewards with advantage.estimator=distill
 
         def make_source(rank: int, world_size: int) -> OnPolicySource:
             sampler = build_sampler(policy, r, self.task.tokenizer)
             generator = OnPolicyRollouts(
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
-                max_new_tokens=r.max_new_tokens, estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
-                k=cfg.advantage.k,
+                max_new_tokens=r.max_new_tokens, estimator=advantage.estimator, eps=advantage.eps, k=advantage.k,
                 seed=cfg.seed, rank=rank, world_size=world_size, overlong=Overlong.of(cfg.reward, r),
                 gather=distributed.all_gather_objects,
             )
