@@ -78,6 +78,7 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
         sample=typed.sample,
         seed=typed.seed, worker=index, stop=lambda: signals.received is not None,
         trust_remote_code=getattr(typed.model, "trust_remote_code", False), completions=run_dir / "completions.jsonl",
+        rejected=run_dir / "rejected.jsonl",
     )
     try:
         outcome = worker.run()

@@ -145,6 +145,24 @@ def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
                "the rollouts' ref_logprobs (kl.reference=rollouts)")
 
 
+@rule("rollout", "data", "trainer", commands=TRAINING)
+def dynamic_sampling(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``rollout.filter=zero_variance`` drops groups, judged on ``rollout.filter_metric`` (math.md#dynamic-sampling)."""
+    r = cfg.rollout
+    if r is None:
+        return
+    if r.filter == "none" and r.filter_metric is not None:
+        yield f"rollout.filter_metric: only valid with rollout.filter=zero_variance, not {r.filter!r}"
+    if r.filter == "none":
+        return
+    if r.group_size == 1:
+        yield ("rollout.filter: zero_variance drops every group whose completions all score the same, so with "
+               "rollout.group_size=1 it drops every group; use a larger group")
+    if cfg.data.kind == "generate" and cfg.trainer.minibatches > 1:
+        yield (f"rollout.filter: zero_variance may keep fewer groups than trainer.minibatches="
+               f"{cfg.trainer.minibatches} (a group is never split between updates); use trainer.minibatches=1")
+
+
 @rule("reward", "rollout", "data", "trainer", commands=TRAINING)
 def overlong_shaping(cfg: TrainConfig, command: str) -> Iterator[str]:
     """The overlong reward and the masking of truncated completions shape what rlcli samples

@@ -150,6 +150,9 @@ class RolloutDataConfig:
     epochs: int = described("passes over the files; the run ends when they are used up", ge=1)
     on_invalid: Literal["error", "skip"] = described(
         "an invalid record is an error, or is skipped and written to rejected.jsonl in the run directory")
+    filter: Literal["none", "zero_variance"] = described(
+        "DAPO's dynamic sampling on read: zero_variance drops every group (records sharing a group_id) whose "
+        "records' rewards are all equal, listed in rejected.jsonl (none: off)")
     allow_temperature_mismatch: bool = described(
         "train on records sampled at a temperature other than loss.temperature")
     log_completions: int = described(
@@ -229,6 +232,15 @@ class RolloutConfig:
     mask_truncated: bool = described(
         "drop the completions that reach max_new_tokens without a stop after their group's advantages are "
         "computed: they train no token and count in no total (DAPO's overlong filtering)")
+    filter: Literal["none", "zero_variance"] = described(
+        "DAPO's dynamic sampling: zero_variance drops every group whose filter_metric is equal across the group "
+        "and samples more rounds until prompts_per_step groups are kept (none: off)")
+    filter_metric: Optional[Literal["accuracy", "reward"]] = described(
+        "what filter=zero_variance compares: accuracy (task.is_correct), reward (the task's, before the overlong "
+        "shaping); null: accuracy where the task's reward has an accuracy term (task=prompts with exact_match or "
+        "math_verify), else reward")
+    max_sampling_rounds: int = described(
+        "filter=zero_variance: the most sampling rounds of a step (then it trains the groups it kept)", ge=1)
     stop: list[Union[str, int]] = described(
         "stop strings and token ids that end a completion (kept in it), besides eos")
     vllm: Any = described(

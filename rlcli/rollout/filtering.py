@@ -16,8 +16,8 @@ from rlcli.data.readers import Rejection
 from rlcli.data.schema import Rollout
 from rlcli.data.writers import to_record
 
-__all__ = ["FILTERS", "FILTER_METRICS", "NO_FILTER", "GroupFilter", "filter_metric_of", "filter_rollouts",
-           "filtered_reason", "zero_variance_groups"]
+__all__ = ["FILTERS", "FILTER_METRICS", "NO_FILTER", "GroupFilter", "count_groups", "filter_metric_of",
+           "filter_rollouts", "filtered_reason", "zero_variance_groups"]
 
 FILTERS = ("none", "zero_variance")
 FILTER_METRICS = ("accuracy", "reward")  # and null: `filter_metric_of` picks one for the task
@@ -44,6 +44,16 @@ def filtered_reason(key: str, metric: str, group: Hashable, size: int, value: fl
     return f"{key}=zero_variance: all {size} documents of group {group!r} have {metric} {value}"
 
 
+def _group_of(rollout: Rollout) -> Hashable:
+    """A rollout's group: its ``group_id``; a rollout without one is a group of its own."""
+    return rollout.source if rollout.group_id is None else ("group", rollout.group_id)
+
+
+def count_groups(rollouts: Sequence[Rollout]) -> int:
+    """The groups of ``rollouts`` (a rollout without a ``group_id`` is a group of its own)."""
+    return len({_group_of(r) for r in rollouts})
+
+
 def filter_rollouts(rollouts: Sequence[Rollout], key: str = "data.filter") -> tuple[list[Rollout], list[Rejection]]:
     """The rollouts of the groups (records sharing a ``group_id``; a record without one is a group of its own)
     whose ``reward`` differs within the group, and a `Rejection` for each of the others. A record without a
@@ -52,7 +62,7 @@ def filter_rollouts(rollouts: Sequence[Rollout], key: str = "data.filter") -> tu
     if lacking:
         raise DataError(f"{lacking[0].source}: no 'reward', and {key}=zero_variance judges each group by its "
                         f"records' rewards ({len(lacking)} records lack one); set {key}=none to train on them")
-    groups = [r.source if r.group_id is None else ("group", r.group_id) for r in rollouts]
+    groups = [_group_of(r) for r in rollouts]
     dropped = zero_variance_groups([r.reward for r in rollouts], groups)
     sizes: dict[Hashable, int] = {}
     for group in groups:

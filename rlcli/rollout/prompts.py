@@ -319,6 +319,12 @@ class PromptsTask:
         text, context = self._score_args(prompt, completion_ids)
         return self.rewards.term_values(text, **context)
 
+    @property
+    def has_accuracy_term(self) -> bool:
+        """A term of the reward alone decides correctness (``exact_match``, ``math_verify``): dynamic sampling's
+        default metric is then ``accuracy`` (math.md#dynamic-sampling)."""
+        return any(term.decides for term in self.rewards.terms)
+
     def take_reward_stats(self) -> dict[str, float]:
         """``reward/<name>`` and ``reward_errors`` since the last call (`RewardSet.take_stats`)."""
         return self.rewards.take_stats()

@@ -19,6 +19,8 @@ and optionally:
   (e.g. ``reward/<name>``), logged with each step's;
 - ``reward_terms(prompt, completion_ids) -> dict[str, float]``: the value of each term of the reward
   on one completion, by name, shown in ``completions.jsonl`` (``rollout.log_completions``);
+- ``has_accuracy_term: bool``: the reward has a term that alone decides ``is_correct`` (then
+  ``rollout.filter=zero_variance`` judges groups by accuracy by default, not by the reward);
 - ``OPTION_DOCS: dict[str, str]``, a class attribute: a one-line description of each keyword of its
   constructor (its ``task.*`` keys), which ``rlcli train --help`` and the config reference show.
 

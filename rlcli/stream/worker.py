@@ -16,12 +16,15 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rlcli.conf.schema import AdvantageConfig, RewardConfig, RolloutConfig, SampleConfig, StreamDataConfig
+from rlcli.data.readers import Rejection, write_rejections
 from rlcli.data.writers import to_record
 from rlcli.errors import UserError
+from rlcli.rollout.filtering import GroupFilter
 from rlcli.rollout.onpolicy import OnPolicyRollouts, step_seed
 from rlcli.rollout.overlong import Overlong
 from rlcli.rollout.samplers import Samplers
@@ -33,6 +36,7 @@ from rlcli.stream.writer import StreamWriter
 log = logging.getLogger("rlcli")
 
 POLL = 0.2  # seconds between looks at the announcement and the queue while waiting
+COUNTS = ("groups_kept", "groups_filtered", "sampling_rounds")  # rollout.filter's, in a round's log line
 
 
 class SamplerWorker:
@@ -41,7 +45,9 @@ class SamplerWorker:
     ``task`` is built from the ``task`` group; ``stop()`` is checked between rounds and while waiting.
     Every process draws a random token: its record ids, group ids and sampling seed include it, so a
     restarted sampler never repeats the records of the one before it. ``completions``: the file that
-    each round's lines of ``completions.jsonl`` are appended to (None: none written).
+    each round's lines of ``completions.jsonl`` are appended to (None: none written). ``rejected``: the file
+    that the records of the groups ``rollout.filter`` drops are appended to, with the reason (``rejected.jsonl``;
+    None: none written).
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class SamplerWorker:
         stop: Callable[[], bool] = lambda: False,
         trust_remote_code: bool = False,
         completions: Path | None = None,
+        rejected: Path | None = None,
     ) -> None:
         self.conn = conn
         self.task = task
@@ -70,6 +77,7 @@ class SamplerWorker:
         self.worker = worker
         self.stop = stop
         self.completions = completions
+        self.rejected = rejected
         self.token = secrets.token_hex(4)
         self.seed = step_seed(seed, int(self.token, 16), worker)  # `seed` mixed with the process's token
         self.writer = StreamWriter(conn.url, data.stream, key="data.url")
@@ -147,6 +155,7 @@ class SamplerWorker:
             max_new_tokens=r.max_new_tokens, estimator=self.advantage.estimator, eps=self.advantage.eps,
             k=self.advantage.k,
             seed=self.seed, rank=self.worker, world_size=self.sample.workers, overlong=self.overlong,
+            group_filter=GroupFilter.of(r),
         )
         self.version = version
         log.info("sampler %d: sampling with the weights v%d from %s", self.worker, version, path)
@@ -154,7 +163,7 @@ class SamplerWorker:
     def _push_round(self) -> None:
         round_ = self.rounds
         log_completions = self.rollout.log_completions if self.completions is not None else 0
-        rollouts, stats, lines = self.rollouts.generate_logged(round_, log_completions)
+        rollouts, stats, lines, filtered = self.rollouts.generate_filtered(round_, log_completions)
         prefix = f"{self.worker}-{self.token}-{round_}"
         records = []
         for i, rollout in enumerate(rollouts):
@@ -164,12 +173,22 @@ class SamplerWorker:
             records.append(record)
         self.writer.push_many(records)
         self._log_completions(round_, lines)
-        shaped = "".join(f", {name} {stats[name]:.3f}" for name in ("reward/overlong", "truncated_fraction")
-                         if name in stats)
+        self._log_filtered(prefix, filtered)
+        shaped = "".join(f", {name} {stats[name]:g}" if name in COUNTS else f", {name} {stats[name]:.3f}"
+                         for name in ("reward/overlong", "truncated_fraction", *COUNTS) if name in stats)
         log.info("sampler %d: round %d: v%d, reward %.3f%s, pushed %d records, %d unread", self.worker, round_,
                  self.version, stats["reward"], shaped, len(records),
                  unread(self.conn, self.data.stream, self.data.group))
         self.rounds += 1
+
+    def _log_filtered(self, prefix: str, filtered: list[Rejection]) -> None:
+        """Append the records of the round's dropped groups to ``rejected``, each with an id of its own (``x``
+        after the round's prefix) and the group id it would have been pushed with."""
+        if not filtered or self.rejected is None:
+            return
+        write_rejections([replace(r, record={**r.record, "id": f"{prefix}-x{i}", "policy_version": self.version,
+                                              "group_id": f"{self.token}-{r.record['group_id']}"})
+                          for i, r in enumerate(filtered)], self.rejected, append=True)
 
     def _log_completions(self, round_: int, lines: list[dict]) -> None:
         """Append the round's lines, with the weights' version and the group ids of the pushed records."""

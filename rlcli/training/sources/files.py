@@ -14,6 +14,7 @@ from rlcli.data.schema import Rollout
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.rollout.advantages import apply_advantage_estimator
 from rlcli.rollout.completions import ids_row, pick
+from rlcli.rollout.filtering import count_groups, filter_rollouts
 from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.distill import reward_advantage
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
@@ -65,13 +66,27 @@ class RolloutsKind(DataKind):
             list(cfg.data.paths), vocab_size=vocab_size, max_tokens=cfg.data.max_tokens,
             on_invalid=cfg.data.on_invalid,
         )
+        invalid = len(rejections)
+        if cfg.data.filter == "zero_variance":
+            groups = count_groups(rollouts)
+            rollouts, filtered = filter_rollouts(rollouts)
+            rejections += filtered
         if rejections:
             from lightning.fabric.utilities.rank_zero import rank_zero_only  # not at the top: config checks import this
 
             path = self.run_dir / "rejected.jsonl"
             if rank_zero_only.rank == 0:  # every process reads every file: one writes what they all found
                 write_rejections(rejections, path)
-            log.warning("data: %d invalid records skipped (data.on_invalid=skip), listed in %s", len(rejections), path)
+            if invalid:
+                log.warning("data: %d invalid records skipped (data.on_invalid=skip), listed in %s", invalid, path)
+        if cfg.data.filter == "zero_variance":
+            kept = count_groups(rollouts)
+            log.info("data: data.filter=zero_variance kept %d of %d groups; dropped the %d records of the %d groups "
+                     "whose rewards are all equal, listed in %s", kept, groups, len(filtered), groups - kept,
+                     self.run_dir / "rejected.jsonl")
+            if not rollouts:
+                raise DataError(f"data.filter=zero_variance: every group of {', '.join(cfg.data.paths)} has equal "
+                                "rewards, so no record is left to train on; set data.filter=none")
         mismatches = check_temperature(
             rollouts, cfg.loss.temperature, allow_mismatch=cfg.data.allow_temperature_mismatch
         )

@@ -14,6 +14,7 @@ from rlcli.data.writers import append_jsonl
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.advantages import computes_advantages, group_estimators
+from rlcli.rollout.filtering import GroupFilter
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.overlong import Overlong
 from rlcli.rollout.samplers import build_sampler
@@ -38,7 +39,8 @@ class OnPolicySource(StepSource):
     ``save_to`` the rollouts are also written there; the checkpoint holds how many, so a resumed run
     cuts the file back to them and a fresh one starts it anew: no record is written twice. Each batch
     also carries the lines of ``completions.jsonl`` for ``log_completions`` of its rollouts. A batch may
-    hold no document (``rollout.mask_truncated`` and every completion truncated): an empty step, not the end;
+    hold no document (``rollout.mask_truncated`` and every completion truncated, or ``rollout.filter`` and no group
+    kept): an empty step, not the end;
     ``max_empty`` such batches in a row on every rank stop the run with a `UserError`."""
 
     ends_when_empty = False
@@ -55,7 +57,7 @@ class OnPolicySource(StepSource):
 
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
         documents, stats, completions = self.rollouts.generate_logged(index, self.log_completions)
-        if self.rollouts.overlong.mask_truncated:
+        if self.rollouts.overlong.mask_truncated or self.rollouts.group_filter.mode != "none":
             self._count_empty(len(documents), device)
         if self.rollouts.sampler.sync_seconds is not None:  # a colocated vLLM engine's
             stats["weight_sync_time"] = self.rollouts.sampler.sync_seconds
@@ -72,6 +74,13 @@ class OnPolicySource(StepSource):
         total = distributed.all_reduce(torch.tensor(documents, device=device), "sum")
         self.empty_in_a_row = self.empty_in_a_row + 1 if total == 0 else 0
         if self.empty_in_a_row >= self.max_empty:
+            if self.rollouts.group_filter.mode != "none":
+                raise UserError(
+                    f"rollout.filter: {self.empty_in_a_row} steps in a row kept no document (every group sampled in "
+                    f"rollout.max_sampling_rounds={self.rollouts.group_filter.max_rounds} rounds scored the same "
+                    "across the group, or its completions were truncated under rollout.mask_truncated), so no step "
+                    "trained anything (trainer.max_bad_steps bounds such steps too); raise "
+                    "rollout.max_sampling_rounds, set rollout.filter_metric=reward, or rollout.filter=none")
             raise UserError(
                 f"rollout.mask_truncated: every completion of {self.empty_in_a_row} steps in a row reached "
                 f"rollout.max_new_tokens={self.rollouts.max_new_tokens} without a stop, so no step trained anything "
@@ -136,6 +145,7 @@ class GenerateKind(DataKind):
                 self.task, sampler, prompts_per_step=r.prompts_per_step, group_size=r.group_size,
                 max_new_tokens=r.max_new_tokens, estimator=advantage.estimator, eps=advantage.eps, k=advantage.k,
                 seed=cfg.seed, rank=rank, world_size=world_size, overlong=Overlong.of(cfg.reward, r),
+                group_filter=GroupFilter.of(r),
                 gather=distributed.all_gather_objects,
             )
             name = "rollouts.jsonl" if world_size == 1 else f"rollouts.rank{rank}.jsonl"

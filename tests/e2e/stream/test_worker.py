@@ -48,16 +48,18 @@ def announce(conn, version: int, path: Path | None, documents_seen: int = 0, fin
 
 def make_worker(url: str, *, worker: int = 0, max_queue: int = 1000, max_lag: int = 4, stop=lambda: False,
                 engine: str = "hf", completions: Path | None = None, overlong_buffer: int | None = None,
-                mask_truncated: bool = False):
+                mask_truncated: bool = False, group_filter: str = "none", filter_metric: str | None = None,
+                rejected: Path | None = None):
     data = StreamDataConfig(kind="stream", url=url, stream=STREAM, group=GROUP, max_tokens=256, max_lag=max_lag,
                             allow_temperature_mismatch=False, wait_warning=30.0, idle_timeout=None)
     rollout = RolloutConfig(prompts_per_step=PROMPTS, group_size=GROUP_SIZE, max_new_tokens=4,
                             temperature=TEMPERATURE, top_p=1.0, top_k=0, engine=engine, save=False, log_completions=2,
-                            mask_truncated=mask_truncated, stop=[], vllm={"dtype": "float32", "enforce_eager": True})
+                            mask_truncated=mask_truncated, filter=group_filter, filter_metric=filter_metric,
+                            max_sampling_rounds=3, stop=[], vllm={"dtype": "float32", "enforce_eager": True})
     return SamplerWorker(connect(url), ReverseTask(), rollout=rollout, advantage=AdvantageConfig("grpo", EPS, None),
                          reward=RewardConfig(overlong_buffer=overlong_buffer, overlong_penalty=0.5), data=data,
                          sample=SampleConfig(workers=2, max_queue=max_queue), seed=0, worker=worker,
-                         stop=stop, completions=completions)
+                         stop=stop, completions=completions, rejected=rejected)
 
 
 def stream_records(conn) -> list[dict]:
@@ -138,6 +140,45 @@ def test_rounds_push_shaped_rewards_and_no_truncated_completion(redis_url, tmp_p
         r_len = 0.0 if len(ids) <= 4 - 2 else ((4 - 2) - len(ids)) / 2
         assert record["reward"] == plain + 0.5 * r_len
     worker.close()
+
+
+def test_rounds_push_only_the_kept_groups_and_reject_the_others(redis_url, tmp_path, caplog):
+    """rollout.filter=zero_variance on accuracy in the sampler (math.md#dynamic-sampling); the untrained policy is
+    nearly always wrong, so most groups are dropped and each round samples up to 3 rounds. Every pushed group is
+    whole and mixes right and wrong answers; each line of rejected.jsonl is a record of a group whose completions
+    (rejudged here by the task) are all right or all wrong, with its reason and an id of its own; the log lines
+    count both. Pushing a dropped group, or dropping a kept one, fails."""
+    conn = connect(redis_url)
+    announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
+    worker = make_worker(redis_url, group_filter="zero_variance", filter_metric="accuracy",
+                         rejected=tmp_path / "rejected.jsonl")
+    with caplog.at_level(logging.INFO, logger="rlcli"):
+        assert worker.run(max_rounds=2) == "rounds"
+    worker.close()
+    task = ReverseTask()
+
+    def correct(record):
+        text = task.tokenizer.decode(record["prompt_ids"])
+        return task.is_correct(Prompt(text=text, ids=tuple(record["prompt_ids"]), answer=text[:-1][::-1]),
+                               record["completion_ids"])
+
+    pushed, dropped = defaultdict(list), defaultdict(list)
+    for record in stream_records(conn):
+        pushed[record["group_id"]].append(correct(record))
+    lines = [json.loads(line) for line in (tmp_path / "rejected.jsonl").read_text().splitlines()]
+    for line in lines:
+        dropped[line["record"]["group_id"]].append(correct(line["record"]))
+        assert line["field"] == "accuracy" and line["reason"].startswith(
+            "rollout.filter=zero_variance: all 4 documents of group")
+    assert len(dropped) > len(pushed)
+    assert all(len(v) == GROUP_SIZE and len(set(v)) > 1 for v in pushed.values())
+    assert all(len(v) == GROUP_SIZE and len(set(v)) == 1 for v in dropped.values())
+    assert not set(pushed) & set(dropped)
+    assert len({line["record"]["id"] for line in lines}) == len(lines)
+    logged = [m for m in caplog.messages if "pushed" in m]
+    kept = sum(float(m.split("groups_kept ")[1].split(",")[0]) for m in logged)
+    filtered = sum(float(m.split("groups_filtered ")[1].split(",")[0]) for m in logged)
+    assert (kept, filtered) == (len(pushed), len(dropped))
 
 
 def test_each_round_appends_the_text_of_one_record_of_each_group(redis_url, tmp_path):
