@@ -29,6 +29,7 @@ from rlcli.model.policy import build_policy
 from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.module import PolicyModule
 from rlcli.training.optim import build_optimizer
+from rlcli.training.reward_kl import RewardKL
 from rlcli.training.sources import DATA_KINDS
 from rlcli.training.strategy import build_strategy
 
@@ -146,6 +147,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
         data.source_factory(policy), seed=cfg.seed, max_tokens=cfg.data.max_tokens,
         reference=reference, teacher=build_teacher(cfg, policy, reference),
         distill_coef=cfg.distill.coef if cfg.advantage.estimator == "distill" else None, shard=shard,
+        reward_kl=RewardKL.of(cfg),
     )
     callbacks = build_callbacks(cfg, resolved, run_dir, run, evaluation)
     return module, build_trainer(cfg, resolved, run_dir, strategy, callbacks)

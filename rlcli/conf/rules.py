@@ -163,6 +163,34 @@ def dynamic_sampling(cfg: TrainConfig, command: str) -> Iterator[str]:
                f"{cfg.trainer.minibatches} (a group is never split between updates); use trainer.minibatches=1")
 
 
+@rule("kl", "data", "advantage", "loss", "rollout", commands=TRAINING)
+def kl_in_reward(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """``kl.placement=reward`` subtracts ``beta x sum k1`` from rewards before their advantages are computed
+    (math.md#kl-in-the-reward): it needs rewards that rlcli turns into advantages, and both log-probs of k1."""
+    kl = cfg.kl
+    if kl.placement != "reward" or kl.coef == 0:
+        return
+    if kl.estimator != "k1":
+        yield (f"kl.estimator: kl.placement=reward subtracts beta x the sum of k1 = old_lp - ref_lp from the reward, "
+               f"not {kl.estimator}; set kl.estimator=k1")
+    if kl.ratio_weighted:
+        yield "kl.ratio_weighted: weighs the KL term of the loss, and with kl.placement=reward the loss has none"
+    kind, estimator = cfg.data.kind, cfg.advantage.estimator
+    from_files = kind == "rollouts" and kl.reference == "rollouts"
+    if estimator in ("none", "distill") or not (kind == "generate" or from_files):
+        got = f"data={kind}" + (f", kl.reference={kl.reference}" if kind == "rollouts" else "")
+        yield ("kl.placement: reward subtracts the KL from the rewards before rlcli computes the advantages, so it "
+               "applies with data=generate, or data=rollouts with kl.reference=rollouts (the records' "
+               "ref_logprobs), and an advantage.estimator that computes them from rewards (not none or distill); "
+               f"got {got}, advantage.estimator={estimator}")
+    if kind == "generate" and cfg.rollout is not None and cfg.rollout.mask_truncated:
+        yield ("rollout.mask_truncated: drops the truncated completions before the trainer recomputes their groups' "
+               "advantages with kl.placement=reward; use one of the two")
+    if from_files and cfg.loss.old_logprobs == "recompute":
+        yield ("loss.old_logprobs: kl.placement=reward with rollout files shapes the rewards at read, with the "
+               "records' old_logprobs as the ratio's denominator; set loss.old_logprobs=sampler (no correction.mode)")
+
+
 @rule("reward", "rollout", "data", "trainer", commands=TRAINING)
 def overlong_shaping(cfg: TrainConfig, command: str) -> Iterator[str]:
     """The overlong reward and the masking of truncated completions shape what rlcli samples

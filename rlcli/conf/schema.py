@@ -66,7 +66,8 @@ class LossConfig:
 
 @dataclass
 class KLConfig:
-    """KL penalty to a reference policy: ``coef`` x k_t is added to each token's loss."""
+    """KL penalty to a reference policy: ``coef`` x k_t is added to each token's loss, or with
+    ``placement=reward`` ``coef`` x the sum of k1 is subtracted from each document's reward."""
 
     coef: float = described("the KL penalty's weight beta (0: off)", **TERM_COEF)
     estimator: Literal[KL_ESTIMATORS.names()] = described("the estimator k_t of the KL, of delta = ref_lp - lp")
@@ -75,6 +76,9 @@ class KLConfig:
         "the reverse KL's (TRL's use_bias_correction_kl)")
     reference: str = described(
         "initial (a frozen copy of the starting weights), rollouts (the records' ref_logprobs) or a model path")
+    placement: Literal["loss", "reward"] = described(
+        "loss (beta x k_t in each token's loss) or reward (r - beta x the sum of k1 = old_lp - ref_lp over the "
+        "document's labelled tokens, before the advantages; the loss has no KL term)")
 
 
 @dataclass
@@ -264,9 +268,11 @@ class AdvantageConfig:
 
     estimator: Literal[ADVANTAGE_ESTIMATORS.names()] = described(
         "none (every record must carry advantages), or per group: grpo ((r - mean) / (std + eps)), dr_grpo "
-        "(r - mean), rloo (r - mean of the others), opo (r - the length-weighted mean) or passk (pass@k, "
+        "(r - mean), rloo (r - mean of the others), opo (r - the length-weighted mean), reinforce_pp_baseline "
+        "(r - mean, whitened over the batch's labelled tokens), grpo_batch_std ((r - mean) / (the batch's reward "
+        "std + eps)) or passk (pass@k, "
         "binary rewards); distill: on-policy distillation from teacher.path (distill.*)")
-    eps: float = described("the eps of grpo's (r - mean) / (std + eps)", gt=0)
+    eps: float = described("the eps added to the std of grpo, reinforce_pp_baseline and grpo_batch_std", gt=0)
     k: Optional[int] = described(
         "passk: the k of pass@k, at most the group's size (required with estimator=passk, only valid with it)", ge=1)
 

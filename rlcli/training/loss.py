@@ -47,7 +47,7 @@ class MicroBatchLoss:
         self.spec = LossSpec(
             loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=metrics,
             kl=KLPenalty(coef=kl.coef, estimator=kl.estimator,
-                         ratio_weighted=kl.ratio_weighted) if kl.coef > 0 else None,
+                         ratio_weighted=kl.ratio_weighted) if kl.coef > 0 and kl.placement == "loss" else None,
             entropy_coef=loss.entropy_coef,
             correction=None if correction.mode == "none" else Correction(
                 mode=correction.mode, level=correction.level, low=correction.low, high=correction.high),

@@ -27,6 +27,7 @@ from rlcli.training.guard import UpdateGuard
 from rlcli.training.logprobs import add_trainer_logprobs
 from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.plan import UpdateTotals, mean_over_ranks, passes, plan_update, reduce_partials
+from rlcli.training.reward_kl import RewardKL, add_kl_to_rewards
 from rlcli.training.sources import StepSource
 
 FIRST_COLUMNS = ("loss", "num_documents", "documents_seen", "num_tokens", "grad_norm", "lr")  # then by name
@@ -51,7 +52,8 @@ class PolicyModule(L.LightningModule):
     (`rlcli.training.strategy`). ``reference`` is the frozen reference policy of the KL penalty, when
     its log-probs come from a model; ``teacher`` the frozen teacher of on-policy distillation, whose
     term each token's advantage gets ``distill_coef`` times (`rlcli.training.distill`; the same object
-    as ``reference`` when one model is both).
+    as ``reference`` when one model is both). ``reward_kl``: ``kl.placement=reward``'s batch stage, which
+    recomputes each batch's advantages from the rewards less the KL (`rlcli.training.reward_kl`).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class PolicyModule(L.LightningModule):
         teacher: torch.nn.Module | None = None,
         distill_coef: float | None = None,
         shard: Callable | None = None,
+        reward_kl: RewardKL | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -77,6 +80,7 @@ class PolicyModule(L.LightningModule):
         self.teacher = self.reference if teacher is not None and teacher is reference else (
             None if teacher is None else loss.scorer(teacher.requires_grad_(False)))
         self.distill_coef = distill_coef
+        self.reward_kl = reward_kl
         self.trainer_config = trainer
         self.guard = UpdateGuard(trainer.grad_clip, trainer.max_bad_steps)
         self.seed = seed
@@ -128,6 +132,7 @@ class PolicyModule(L.LightningModule):
             )
             add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference,
                                  teacher=self.teacher)
+            add_kl_to_rewards(self.batch, self.reward_kl)
             add_distill_advantages(self.batch, self.distill_coef, self.device)
             self.completions = collected.completions
             self.batches_done += 1

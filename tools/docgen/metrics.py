@@ -34,7 +34,7 @@ SECTIONS = (
     Section("On-policy rollouts",
             "With `data=generate`: each process's means over the rollouts it sampled for the step, then the mean "
             "over processes.",
-            ("rlcli.rollout.onpolicy", "rlcli.training.sources.generate")),
+            ("rlcli.rollout.onpolicy", "rlcli.training.sources.generate", "rlcli.training.reward_kl")),
     Section("On-policy distillation",
             "With `advantage.estimator=distill`, for every data kind: computed at the start of each batch over "
             "every process ([on-policy distillation](../concepts/math.md#on-policy-distillation)); `tlp` is the "

@@ -17,6 +17,7 @@ from rlcli.rollout.completions import ids_row, pick
 from rlcli.rollout.filtering import count_groups, filter_rollouts
 from rlcli.training.collect import CollectedBatch, collect_batch
 from rlcli.training.distill import reward_advantage
+from rlcli.training.reward_kl import subtract_kl_at_read
 from rlcli.training.sources.base import DATA_KINDS, DataKind, StepSource
 
 log = logging.getLogger("rlcli")
@@ -98,6 +99,7 @@ class RolloutsKind(DataKind):
             if lacking:
                 raise DataError(f"{lacking[0].source}: no 'ref_logprobs', and kl.reference=rollouts reads the "
                                 f"reference's log-probs from every record ({len(lacking)} records lack them)")
+        rollouts = subtract_kl_at_read(rollouts, cfg)  # kl.placement=reward: before the advantages
         advantage = reward_advantage(cfg.advantage, cfg.distill)  # distill.rewards with advantage.estimator=distill
         rollouts = apply_advantage_estimator(rollouts, advantage.estimator, eps=advantage.eps, k=advantage.k)
         log.info("data: %d documents for training", len(rollouts))

@@ -171,10 +171,10 @@ def test_a_registered_estimator_is_one_function_and_a_config_choice(monkeypatch)
     assert cfg.advantage.estimator == "spread"
     with pytest.raises(ConfigError, match=r"must be one of \['none', 'grpo', 'dr_grpo', 'rloo', "
                        r"'reinforce_pp_baseline', "
-                       r"'grpo_batch_std', 'opo', 'passk', 'spread', 'longest'\], got 'nope'"):
+                       r"'grpo_batch_std', 'opo', 'passk', 'distill', 'spread', 'longest'\], got 'nope'"):
         validate_config(compose_train_config(["advantage.estimator=nope"]))
     with pytest.raises(ConfigError, match="need grpo or dr_grpo or rloo or reinforce_pp_baseline or grpo_batch_std "
-                       "or opo or passk or spread or longest"):
+                       "or opo or passk or distill or spread or longest"):
         validate_config(compose_train_config(["data=generate", "advantage.estimator=none"]))
 
 
