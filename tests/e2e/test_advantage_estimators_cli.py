@@ -67,8 +67,10 @@ def test_passk_reads_rollout_files_and_names_a_group_smaller_than_k(tmp_path):
 
 @pytest.mark.slow
 def test_the_documented_sweep_over_estimators_runs(tmp_path):
-    """`rlcli train -m advantage.estimator=grpo,rloo,opo seed=0,1` (math.md#advantages), one step each."""
-    result = run_rlcli(["train", "-m", "advantage.estimator=grpo,rloo,opo", "seed=0,1", "trainer.max_steps=1",
+    """`rlcli train -m advantage.estimator=grpo,rloo,reinforce_pp_baseline seed=0,1` (math.md#advantages), one step
+    each."""
+    result = run_rlcli(["train", "-m", "advantage.estimator=grpo,rloo,reinforce_pp_baseline", "seed=0,1",
+                        "trainer.max_steps=1",
                         "hydra.sweep.dir=sweep"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.parent for p in (tmp_path / "sweep").glob("*/metrics.csv"))

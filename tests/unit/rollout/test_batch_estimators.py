@@ -177,3 +177,15 @@ def test_a_users_estimators_next_to_the_batch_ones():
     finally:
         ADVANTAGE_ESTIMATORS._entries.pop("test_spread")
         ADVANTAGE_ESTIMATORS._entries.pop("test_whitened_spread")
+
+
+def test_an_on_policy_round_is_the_batch():
+    """One process's step (or one `rlcli sample` round): two groups of rewards (1, 0, 1) with 3, 1 and 4 tokens;
+    grpo_batch_std divides by the std of all six rewards, sqrt(2)/3, reinforce_pp_baseline whitens over 16 tokens."""
+    from test_advantage_estimators import on_policy
+
+    std = math.sqrt(2) / 3
+    assert on_policy("grpo_batch_std") == pytest.approx([(1 / 3) / (std + EPS), (-2 / 3) / (std + EPS),
+                                                         (1 / 3) / (std + EPS)] * 2, rel=1e-14)
+    assert on_policy("reinforce_pp_baseline") == pytest.approx(
+        reinforce_pp_baseline_reference([1.0, 0.0, 1.0] * 2, [0, 0, 0, 1, 1, 1], [3, 1, 4] * 2, EPS), rel=1e-14)
