@@ -52,7 +52,8 @@ def group_advantages_for(
     population std; ``dr_grpo``: ``r - mean``; ``rloo``, ``opo``, ``passk``: docs/concepts/math.md#advantages;
     ``opo`` weighs by the labelled tokens of each record, which must then be a whole rollout record);
     records that carry an advantage are kept as they are and left out of the groups. Give whole groups:
-    a group split across two calls is normalised in two pieces. Errors name the record as ``names[i]``
+    a group split across two calls is normalised in two pieces; ``reinforce_pp_baseline`` and
+    ``grpo_batch_std`` normalise over all the records of the call (their batch). Errors name the record as ``names[i]``
     (default ``record i``).
     """
     names = names if names is not None else [f"record {i}" for i in range(len(records))]
