@@ -4,7 +4,8 @@
 (`rlcli.stream.queue.newest_weights`), loads the announced version when it is not the one it
 holds, and waits while the trainer is too far behind (back-pressure). A round samples
 ``rollout.prompts_per_step`` prompts x ``rollout.group_size`` completions, scores them, computes
-group advantages and pushes the records in one batch, each with a unique ``id`` and the
+group advantages (under ``rollout.filter``: of the groups it keeps, sampling more rounds for the
+missing ones; the others go to ``rejected``) and pushes the records in one batch, each with a unique ``id`` and the
 ``policy_version`` it was sampled with; ``rollout.log_completions`` of them, with their text, are
 appended to ``completions`` (the sampler's ``completions.jsonl``).
 """
