@@ -1,11 +1,14 @@
-"""The cost of the loss family's extra passes: a training step with ``loss.old_logprobs=recompute`` and one
-with a KL penalty to a reference model, against a plain step on the same rollouts.
+"""The cost of the loss family's extra passes: a training step with ``loss.old_logprobs=recompute``, one
+with a KL penalty to a reference model and one of on-policy distillation, against a plain step on the same
+rollouts.
 
 A plain step is the fused head + GRPO loss, forward and backward, over every packed micro-batch (as
 `rlcli train` runs it). ``recompute`` adds one no-grad pass of the policy through the same head
 (`head_logprobs`) over the batch, which happens once per batch, whatever ``trainer.minibatches``;
-``kl`` adds that pass for a frozen copy of the policy (the reference) and the KL term in the loss.
-Same synthetic rollouts and tiny model as `benchmarks.throughput`; the three run in turns, and each
+``kl`` adds that pass for a frozen copy of the policy (the reference) and the KL term in the loss;
+``distill`` (``advantage.estimator=distill``) adds the policy's pass and a teacher's (a frozen model of the
+policy's size) and adds ``tlp - prox`` to the advantages. Same synthetic rollouts and tiny model as
+`benchmarks.throughput`; the four run in turns, and each
 ratio is the median of the ratios of each round. Usage: ``python -m benchmarks.loss_terms [--json PATH]``.
 """
 
@@ -80,8 +83,9 @@ def run(args) -> dict:
             out.append(of(input_ids, position_ids, labels, head_loss=score))
         return out
 
-    def train_pass(reference_logprobs=None):
+    def train_pass(reference_logprobs=None, advantages=None):
         for i, (input_ids, position_ids, labels, sampler, adv, mask, doc) in enumerate(rows):
+            adv = adv if advantages is None else advantages[i]
             inputs = LossInputs(proximal_logprobs=sampler, advantages=adv, mask=mask, document_index=doc,
                                 reference_logprobs=None if reference_logprobs is None else reference_logprobs[i])
             spec = plain if reference_logprobs is None else with_kl
@@ -98,12 +102,18 @@ def run(args) -> dict:
     def kl_step():
         train_pass(reference_logprobs=logprobs_pass(reference))
 
-    steps = {"plain": train_pass, "recompute": recompute_step, "kl": kl_step}
+    def distill_step():  # the batch stage of rlcli.training.distill: both passes, then the advantages' term
+        advantages = [row[4] + (tlp - prox) for row, prox, tlp in zip(rows, logprobs_pass(scorer),
+                                                                        logprobs_pass(teacher))]
+        train_pass(advantages=advantages)
+
+    teacher = TokenScorer(copy.deepcopy(model).requires_grad_(False), head, with_entropy=False)
+    steps = {"plain": train_pass, "recompute": recompute_step, "kl": kl_step, "distill": distill_step}
     for fn in steps.values():
         fn()  # warm-up
         sync()
     times = {name: [] for name in steps}
-    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in all three
+    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in all four
         for name, fn in steps.items():
             start = time.perf_counter()
             fn()
@@ -114,7 +124,7 @@ def run(args) -> dict:
                   device=str(device), device_name=device_name(device))
     for name in steps:
         result[f"{name}_s"] = statistics.median(times[name])
-    for name in ("recompute", "kl"):
+    for name in ("recompute", "kl", "distill"):
         result[f"{name}_ratio"] = statistics.median(b / a for a, b in zip(times["plain"], times[name]))
     return result
 
@@ -131,6 +141,8 @@ def format_table(r: dict) -> str:
         f"| + recompute (a no-grad pass of the policy for prox_t) | {r['recompute_s']:.3g} "
         f"| {r['recompute_ratio']:.2f} |",
         f"| + KL (a no-grad pass of the reference, the k3 term) | {r['kl_s']:.3g} | {r['kl_ratio']:.2f} |",
+        f"| + distill (no-grad passes of the policy and of a teacher of its size) | {r['distill_s']:.3g} "
+        f"| {r['distill_ratio']:.2f} |",
     ])
 
 

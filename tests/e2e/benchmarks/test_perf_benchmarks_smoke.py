@@ -37,16 +37,17 @@ def test_throughput_runs_both_loops(tmp_path):
     assert json.loads(out.read_text())["real_tokens"] == r["real_tokens"]
 
 
-def test_loss_terms_times_the_three_steps(tmp_path, capsys):
+def test_loss_terms_times_the_four_steps(tmp_path, capsys):
     from benchmarks import loss_terms
 
     out = tmp_path / "terms.json"
     r = loss_terms.main(["--documents", "6", "--min-completion", "2", "--max-completion", "8", "--max-tokens", "32",
                          "--hidden", "16", "--vocab", "64", "--chunk-tokens", "8", "--repeats", "1",
                          "--json", str(out)])
-    assert r["plain_s"] > 0 and r["recompute_ratio"] > 0 and r["kl_ratio"] > 0
+    assert r["plain_s"] > 0 and r["recompute_ratio"] > 0 and r["kl_ratio"] > 0 and r["distill_ratio"] > 0
     assert json.loads(out.read_text())["micro_batches"] == r["micro_batches"]
-    assert "+ KL" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "+ KL" in printed and "+ distill" in printed
 
 
 def test_peak_memory_sees_the_naive_logits_and_not_the_fused_chunks():

@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 from launch import run_ranks
+from transformers import AutoModelForCausalLM
 
-from factories import initial_policy, rollout_record, write_jsonl
+from factories import initial_policy, rollout_record, tiny_policy, write_jsonl
 from rlcli.data.packing import make_micro_batch
 from rlcli.data.readers import load_rollouts
 from rlcli.model.scorer import TokenScorer
@@ -31,6 +32,7 @@ TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05, ratio_weighted=True), entropy_coef
                       correction=Correction(mode="truncate", high=1.5))
 # the dual clip's c (math.md#dual-clip) on ratios around 1.2 (`raised_ratio_rollouts`): it caps some tokens, not all
 DUAL_CLIP = 1.2
+DISTILL_COEF = 0.7  # advantage.estimator=distill's distill.coef, with distill.rewards=grpo
 
 
 def two_rank_overrides(data, strategy, *extra):
@@ -39,10 +41,11 @@ def two_rank_overrides(data, strategy, *extra):
 
 
 def reference_parameters(data, docs: list[int], loss: str | PolicyLoss, aggregation: str, divisor,
-                         terms: bool = False) -> dict:
+                         terms: bool = False, teacher: str | None = None) -> dict:
     """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all); with ``terms``
     the KL penalty to the records' ref_logprobs, the entropy bonus and the mismatch correction too (the
-    proximal log-probs of a first step are the current ones)."""
+    proximal log-probs of a first step are the current ones); with ``teacher`` (a checkpoint's directory),
+    on-policy distillation's advantages ``A + DISTILL_COEF (tlp - sg(lp))`` (math.md#on-policy-distillation)."""
     cfg = compose_train_config()
     policy = initial_policy(cfg).double()
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
@@ -50,10 +53,17 @@ def reference_parameters(data, docs: list[int], loss: str | PolicyLoss, aggregat
     batch = make_micro_batch([by_index[i] for i in docs])
     scorer = TokenScorer(policy, HeadSpec(chunk_tokens=0), with_entropy=terms)
     logprobs, entropy = scorer(batch.input_ids, batch.position_ids, batch.labels)
+    advantages = batch.advantages.double()
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_model = AutoModelForCausalLM.from_pretrained(teacher, torch_dtype=torch.float64)
+            tlp, _ = TokenScorer(teacher_model, HeadSpec(chunk_tokens=0), with_entropy=False)(
+                batch.input_ids, batch.position_ids, batch.labels)
+        advantages = advantages + DISTILL_COEF * torch.where(batch.mask > 0, tlp - logprobs.detach(), 0.0)
     numbering = {g: i for i, g in enumerate(dict.fromkeys(d.group_id for d in batch.documents))}
     inputs = LossInputs(
         proximal_logprobs=logprobs.detach() if terms else batch.sampler_logprobs.double(),
-        advantages=batch.advantages.double(), mask=batch.mask.double(), document_index=batch.document_index,
+        advantages=advantages, mask=batch.mask.double(), document_index=batch.document_index,
         group_index=batch.group_index(numbering),
         reference_logprobs=batch.reference_logprobs.double() if terms else None,
         sampler_logprobs=batch.sampler_logprobs.double() if terms else None,
@@ -123,6 +133,15 @@ def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_ro
                              "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
                              f"data.max_tokens={rng.randint(14, 40)}",
                          )})
+    teacher = tmp_path / "teacher"
+    tiny_policy(64, hidden_size=32, num_heads=2, seed=7).save_pretrained(teacher)  # the toy rollouts' vocabulary
+    jobs.append({"name": "ddp-grpo-distill", "case": ("grpo", "sample_mean", None, False, str(teacher)),
+                 "overrides": two_rank_overrides(
+                     spread_rollouts, "ddp", "aggregation=sample_mean", "advantage.estimator=distill",
+                     f"teacher.path={teacher}", "distill.rewards=grpo", f"distill.coef={DISTILL_COEF}",
+                     "optimizer=sgd", f"optimizer.lr={LR}", "trainer.grad_clip=0", "trainer.max_steps=1",
+                     f"trainer.docs_per_step={DOCS_PER_STEP}", f"data.max_tokens={rng.randint(14, 40)}",
+                 )})
     run_ranks(jobs, tmp_path)
     for job in jobs:
         docs = first_step_documents(tmp_path, job["name"])
