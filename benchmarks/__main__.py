@@ -12,6 +12,8 @@ its own options: ``python -m benchmarks.NAME --help``.
   model, against a plain step;
 * ``stream_queue``: the Redis stream's overhead per record (push, consumer-group read, validation,
   acknowledgement) against reading the same records from a file;
+* ``dynamic_sampling``: sampling rounds and seconds a step of ``rollout.filter=zero_variance`` on the
+  default task (on the task's reward and on accuracy) against a plain run;
 * ``live_loop``: steps per minute and time to the default run's reward, ``rlcli loop`` with 1 and 2
   samplers against synchronous ``data=generate``.
 * ``vllm_sampling``: generated tokens per second of rlcli's HFSampler against the VLLMSampler on a tiny
@@ -27,7 +29,16 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks import docs_per_step, live_loop, lm_head, loss_terms, stream_queue, throughput, vllm_sampling
+from benchmarks import (
+    docs_per_step,
+    dynamic_sampling,
+    live_loop,
+    lm_head,
+    loss_terms,
+    stream_queue,
+    throughput,
+    vllm_sampling,
+)
 
 # the chunk size rlcli's head path is measured with: the default loss.chunk_tokens
 DEFAULT_CHUNK_TOKENS = "auto"
@@ -62,6 +73,10 @@ def _live_loop(device: str, json_path: Path | None):
     return live_loop.main(["--json", str(json_path)] if json_path else [])
 
 
+def _dynamic_sampling(device: str, json_path: Path | None):
+    return dynamic_sampling.main(["--json", str(json_path)] if json_path else [])
+
+
 def _vllm_sampling(device: str, json_path: Path | None):
     if importlib.util.find_spec("vllm") is None:
         print("skipped: vLLM is not installed (on a CPU machine `make setup-vllm`)")
@@ -71,8 +86,8 @@ def _vllm_sampling(device: str, json_path: Path | None):
 
 
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
-              "loss_terms": _loss_terms, "stream_queue": _stream_queue, "live_loop": _live_loop,
-              "vllm_sampling": _vllm_sampling}
+              "loss_terms": _loss_terms, "dynamic_sampling": _dynamic_sampling, "stream_queue": _stream_queue,
+              "live_loop": _live_loop, "vllm_sampling": _vllm_sampling}
 
 
 def main(argv: list[str] | None = None) -> dict:
