@@ -60,3 +60,12 @@ def test_a_prompt_task_with_its_reward_terms(tmp_path):
                                    "rollout.max_new_tokens=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                                    "task.rewards=[{name: math_verify}, {name: format}]"])
     assert {"reward/math_verify", "reward/format", "reward_errors", "reward", "accuracy"} <= found
+
+
+def test_on_policy_distillation(tmp_path):
+    student, teacher = make_tiny_qwen2(tmp_path / "student"), make_tiny_qwen2(tmp_path / "teacher", seed=1)
+    data = make_arithmetic_dataset(tmp_path / "train.jsonl", 8, seed=0)
+    found = run(tmp_path / "run", ["model=hf", f"model.path={student}", "task=prompts", f"task.paths=[{data}]",
+                                   "rollout.max_new_tokens=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                   "advantage.estimator=distill", f"teacher.path={teacher}"])
+    assert "distill/reverse_kl" in found
