@@ -113,3 +113,16 @@ def test_config_errors(overrides, problem):
     with pytest.raises(ConfigError) as info:
         validate_config(compose_train_config(overrides))
     assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+
+
+def test_two_processes_sample_their_own_rounds(tmp_path):
+    """Two CPU processes (ddp), groups of two so that ties are common: each process samples its own rounds (no
+    collective waits for the other's), and num_documents counts both processes' kept groups: 2 processes x mean
+    groups_kept x 2 completions. A collective inside a round, or counts of one process only, fail."""
+    result = run_rlcli(["train", "rollout.filter=zero_variance", "rollout.group_size=2", "trainer.devices=2",
+                        "trainer.accelerator=cpu", "strategy=ddp", "trainer.max_steps=3"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = list((tmp_path / "outputs").glob("*/*"))
+    rows = read_metrics(run_dir)
+    assert [float(r["num_documents"]) for r in rows] == [2 * float(r["groups_kept"]) * 2 for r in rows]
+    assert any(float(r["sampling_rounds"]) > 1 for r in rows)

@@ -53,6 +53,11 @@ def test_rollout_files_with_kl_correction_and_exact_steps(tmp_path, small_rollou
     assert expected <= found
 
 
+def test_generated_rollouts_with_dynamic_sampling(tmp_path):
+    found = run(tmp_path, ["data=generate", "rollout.filter=zero_variance"])
+    assert {"groups_kept", "groups_filtered", "sampling_rounds"} <= found
+
+
 def test_a_prompt_task_with_its_reward_terms(tmp_path):
     model = make_tiny_qwen2(tmp_path / "model")
     data = make_arithmetic_dataset(tmp_path / "train.jsonl", 8, seed=0)
