@@ -126,3 +126,29 @@ def test_two_processes_sample_their_own_rounds(tmp_path):
     rows = read_metrics(run_dir)
     assert [float(r["num_documents"]) for r in rows] == [2 * float(r["groups_kept"]) * 2 for r in rows]
     assert any(float(r["sampling_rounds"]) > 1 for r in rows)
+
+
+def test_a_prompts_task_filters_on_accuracy_by_default(tmp_path):
+    """task=prompts with math_verify (an accuracy term): the default metric is accuracy. An untrained tiny model
+    answers nothing right, so every group of every round is dropped: the step logs groups_filtered = 2 x 3 rounds
+    (no group kept, each round draws both again), and trainer.max_bad_steps=2 empty steps stop the run with the
+    filter's error (exit 2). Judged on the reward with a length penalty that differs between completions, the same
+    run trains."""
+    from factories import make_arithmetic_dataset, make_tiny_qwen2
+
+    model = make_tiny_qwen2(tmp_path / "model")
+    data = make_arithmetic_dataset(tmp_path / "train.jsonl", 8, seed=0)
+    common = ["train", "model=hf", f"model.path={model}", "task=prompts", f"task.paths=[{data}]",
+              "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=4",
+              "rollout.filter=zero_variance", "rollout.max_sampling_rounds=3", "trainer.max_bad_steps=2",
+              "trainer.max_steps=2"]
+    result = run_rlcli([*common, "hydra.run.dir=accuracy"], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "rollout.filter: 2 steps in a row kept no document" in result.stderr
+    rows = read_metrics(tmp_path / "accuracy")
+    assert [(float(r["groups_kept"]), float(r["groups_filtered"]), float(r["sampling_rounds"])) for r in rows] == [
+        (0.0, 6.0, 3.0)]  # the second empty step stops the run before its row
+    rewards = "task.rewards=[{name: math_verify}, {name: length_penalty, max_chars: 0, per_char: 0.1}]"
+    result = run_rlcli([*common, rewards, "rollout.filter_metric=reward", "hydra.run.dir=reward"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(float(r["groups_kept"]) > 0 for r in read_metrics(tmp_path / "reward"))
