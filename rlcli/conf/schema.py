@@ -84,14 +84,17 @@ class KLConfig:
 @dataclass
 class CorrectionConfig:
     """Train-inference mismatch correction: importance weights of the trainer's over the sampler's
-    log-probs multiply each token's policy loss."""
+    log-probs multiply each token's policy loss (with reject: decide which tokens are trained on)."""
 
     mode: Literal[CORRECTION_MODES.names()] = described(
-        "none, truncate (w = min(rho, high)) or mask (IcePop: w = rho if low <= rho <= high, else 0)")
+        "none, truncate (w = min(rho, high)), mask (IcePop: w = rho if low <= rho <= high, else 0) or reject "
+        "(rejection sampling: a token or document with rho outside [low, high] leaves the loss mask and every count; "
+        "w = 1 on the kept ones)")
     level: Literal[CORRECTION_LEVELS.names()] = described(
         "the importance ratio rho per token, per sequence, or the sequence's geometric mean")
-    low: float = described("the lower bound of rho that mask keeps", gt=0)
-    high: float = described("the upper bound of rho: truncate caps the weight there, mask drops beyond it", gt=0)
+    low: float = described("the lower bound of rho that mask and reject keep", gt=0)
+    high: float = described("the upper bound of rho: truncate caps the weight there, mask and reject drop beyond it",
+                            gt=0)
 
 
 @dataclass
@@ -344,7 +347,7 @@ class TrainerConfig:
     grad_clip: float = described("the largest gradient norm; 0 disables clipping", ge=0)
     max_bad_steps: int = described(
         "steps in a row with a non-finite loss or gradient (or, with rollout.mask_truncated, every completion "
-        "truncated) before the run stops", ge=1)
+        "truncated; with correction.mode=reject, batches with every token rejected) before the run stops", ge=1)
     precision: Literal["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed"] = described(
         "Lightning's precision of the training step")
     accelerator: Literal["auto", "cpu", "gpu"] = described(

@@ -30,6 +30,8 @@ class Rollout:
     ``source`` is where the record came from (``"a.jsonl:12"``, 1-based line, or
     ``"b.parquet:row 3"``, 0-based row); ``index`` is its position among the dataset's documents.
     A record read from a stream also has its own ``id`` and the ``policy_version`` that sampled it.
+    ``rejected``: ``correction.mode=reject`` took every labelled token of it out of ``completion_mask``, so it
+    is in no step total (math.md#mismatch-correction).
     """
 
     prompt_ids: tuple[int, ...]
@@ -47,6 +49,7 @@ class Rollout:
     teacher_logprobs: tuple[float, ...] | None = None
     id: str | None = None
     policy_version: int | None = None
+    rejected: bool = False
 
     @property
     def name(self) -> str:

@@ -12,7 +12,14 @@ from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, Rat
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
 from rlcli.modules.policy_loss import LossSpec, micro_batch_loss, policy_loss
 from rlcli.modules.registry import Registry, UnknownName
-from rlcli.modules.regularizers import CORRECTION_LEVELS, CORRECTION_MODES, KL_ESTIMATORS, Correction, KLPenalty
+from rlcli.modules.regularizers import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    KL_ESTIMATORS,
+    Correction,
+    KLPenalty,
+    reject_tokens,
+)
 from rlcli.modules.segments import Segments
 
 __all__ = [
@@ -44,6 +51,7 @@ __all__ = [
     "metric_partials",
     "micro_batch_loss",
     "policy_loss",
+    "reject_tokens",
     "token_logprobs",
     "token_weights",
 ]

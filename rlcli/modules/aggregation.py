@@ -40,9 +40,9 @@ class StepTotals:
     indices, so micro-batches must share one group numbering.
 
     Attributes:
-        documents: ``[]`` ``D``, the documents of the step.
+        documents: ``[]`` ``D``, the documents of the step (not those ``correction.mode=reject`` rejected).
         tokens: ``[]`` ``T``, the labelled tokens of the step.
-        group_documents: ``[G]`` the documents of each group.
+        group_documents: ``[G]`` the documents of each group counted in ``D``.
         group_tokens: ``[G]`` ``T_g``, the labelled tokens of each group.
     """
 
@@ -63,19 +63,24 @@ class StepTotals:
         segments: Segments,
         group_index: torch.Tensor | None = None,
         num_groups: int = 0,
+        rejected: torch.Tensor | None = None,
     ) -> StepTotals:
-        """Totals of the given tokens; ``group_index`` [N] in ``[0, num_groups)``."""
+        """Totals of the given tokens; ``group_index`` [N] in ``[0, num_groups)``; ``rejected`` [S] bool: the
+        documents ``correction.mode=reject`` rejected, which count in neither ``D`` nor ``P``."""
         mask = mask.detach()
         dtype = torch.float64
+        counted = torch.ones(segments.count, dtype=dtype, device=mask.device)  # [S] 1 for a document in D
+        if rejected is not None:
+            counted = counted.masked_fill(rejected.to(mask.device), 0.0)
         group_documents = torch.zeros(num_groups, dtype=dtype, device=mask.device)
         group_tokens = torch.zeros(num_groups, dtype=dtype, device=mask.device)
         if group_index is not None and num_groups > 0:
             group_tokens.index_add_(0, group_index, mask.to(dtype))
             # [S] the group of each document (all its tokens share one group)
             doc_groups = group_index.new_zeros(segments.count).scatter_(0, segments.inverse, group_index)
-            group_documents.index_add_(0, doc_groups, torch.ones_like(doc_groups, dtype=dtype))
+            group_documents.index_add_(0, doc_groups, counted)
         return cls(
-            documents=torch.tensor(float(segments.count), dtype=dtype, device=mask.device),
+            documents=counted.sum(),
             tokens=mask.to(dtype).sum(),
             group_documents=group_documents,
             group_tokens=group_tokens,

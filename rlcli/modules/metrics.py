@@ -32,8 +32,10 @@ class Metric(NamedTuple):
 
 
 METRICS = {
-    "num_documents": Metric("always", "`D`: the step's documents, also those with no labelled token"),
-    "num_tokens": Metric("always", "`T`: the step's labelled tokens, `Σ m_t`"),
+    "num_documents": Metric("always", "`D`: the step's documents, also those with no labelled token (not those "
+                            "`correction.mode=reject` rejected)"),
+    "num_tokens": Metric("always", "`T`: the step's labelled tokens, `Σ m_t` (the kept ones with "
+                         "`correction.mode=reject`)"),
     "old_logprobs": Metric("metrics=basic", "`μ(old_lp)`: the document mean of the ratio's old log-prob "
                            "(the sampler's, or the trainer's own with `loss.old_logprobs=recompute`)"),
     "new_logprobs": Metric("metrics=basic", "`μ(lp)`: the document mean of the policy's log-prob"),

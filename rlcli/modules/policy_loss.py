@@ -20,9 +20,9 @@ from rlcli.modules.regularizers import (
     KLPenalty,
     add_term_partials,
     importance_weights,
+    reject_tokens,
     token_losses,
 )
-from rlcli.modules.segments import Segments
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,8 @@ def micro_batch_loss(
     holds whole documents; ``totals`` are the whole step's (all micro-batches, all ranks) and
     ``inputs.group_index`` uses the step's group numbering. Summing the returned losses (and their
     gradients) over every micro-batch of the step gives exactly ``L`` (and ``∇L``).
+    With ``correction.mode="reject"`` the mask must already hold the kept tokens only (`reject_tokens`),
+    and ``totals`` count them, as `policy_loss` and the trainer's batch stage do.
 
     Args:
         logprobs: ``[N]`` the policy's log-probs of the micro-batch's tokens, with their gradient.
@@ -150,7 +152,8 @@ def policy_loss(
     ``logprobs`` [N] (and ``entropy`` [N], for the bonus or ``metrics="with_entropy"``) are the
     policy's over the step's tokens; the returned loss carries autograd to them. Metric values are
     detached float64 scalars: ``kl_ref`` whenever ``inputs.reference_logprobs`` are given,
-    ``mismatch_kl`` whenever ``inputs.sampler_logprobs`` are.
+    ``mismatch_kl`` whenever ``inputs.sampler_logprobs`` are. With ``correction.mode="reject"`` the
+    rejected tokens leave the mask first (`reject_tokens`), so every total counts the kept ones.
 
     Args:
         logprobs: ``[N]`` the policy's log-probs of the step's tokens, with their gradient.
@@ -172,7 +175,7 @@ def policy_loss(
         num_groups = group_ids.numel()
     else:
         num_groups = 0
-    inputs = replace(inputs, group_index=group_index)
-    totals = StepTotals.of_tokens(inputs.mask, Segments.of(inputs.document_index), group_index, num_groups)
+    inputs, rejected = reject_tokens(spec.correction, replace(inputs, group_index=group_index))
+    totals = StepTotals.of_tokens(inputs.mask, inputs.segments, group_index, num_groups, rejected)
     step_loss, partials = micro_batch_loss(logprobs, inputs, totals, spec, entropy=entropy)
     return step_loss, {"loss": step_loss.detach().to(torch.float64)} | finalize_metrics(partials, totals)

@@ -16,6 +16,8 @@ Per labelled token, with the loss's own ``ℓ_t`` (`PolicyLoss.per_token`), the 
   (``geometric``) over the labelled tokens of the document; ``truncate``: ``w = min(ρ, high)``,
   ``mask`` (IcePop): ``w = ρ · 1[low ≤ ρ ≤ high]``; computed in log space, so ρ never overflows. Only the
   policy term is weighted (as verl's rollout correction); the KL and entropy terms are not.
+  ``reject`` (rejection sampling) weighs by 1: `reject_tokens` takes the tokens out of bounds out of the
+  mask before any total is counted (the trainer once per batch, `policy_loss` for its whole step).
 
 The aggregation weights of math.md#aggregation then apply to ``ℓ'_t`` unchanged. Every term is off by default
 and then the total is the loss's ``ℓ_t`` itself, bit for bit. `token_losses` is the one function
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,8 +64,9 @@ TERM_COEF = {"ge": 0, "le": FLOAT32_MAX}
 METRICS = {
     "kl_ref": Metric("kl.coef > 0", "`μ(k3(ref − lp))`: the document mean of the k3 estimate of the KL to the "
                      "reference, whatever `kl.estimator`; 0 at the first step with `kl.reference=initial`"),
-    "mismatch_kl": Metric("correction.mode=truncate or mask", "`μ(k3(prox − behav))`: the k3 estimate of the KL "
-                          "between the trainer's log-probs at the start of the batch and the sampler's"),
+    "mismatch_kl": Metric("correction.mode is not none", "`μ(k3(prox − behav))`: the k3 estimate of the KL "
+                          "between the trainer's log-probs at the start of the batch and the sampler's (with "
+                          "`reject`: over the kept tokens)"),
     "is_weight_mean": Metric("correction.mode=truncate or mask", "`μ(u)`: the document mean of the importance "
                              "weight `u` (`truncate`: `min(ρ, high)`, `mask`: `ρ·1[low ≤ ρ ≤ high]`)"),
     "is_weight_max": Metric("correction.mode=truncate or mask", "the largest `u_t` over labelled tokens; empty in "
@@ -103,10 +106,11 @@ class Correction:
     """Training-inference mismatch correction: the policy term times the detached ``w``.
 
     Attributes:
-        mode: ``none`` (off), ``truncate`` (``w = min(ρ, high)``) or ``mask`` (IcePop: ``w = ρ · 1[low ≤ ρ ≤ high]``).
+        mode: ``none`` (off), ``truncate`` (``w = min(ρ, high)``), ``mask`` (IcePop: ``w = ρ · 1[low ≤ ρ ≤ high]``)
+            or ``reject`` (``w = 1``; the tokens out of bounds leave the mask: `reject_tokens`).
         level: ``token`` (``ρ_t``), ``sequence`` (``Π_t ρ_t`` over the document's labelled tokens) or
             ``geometric`` (their geometric mean).
-        low: the lower bound, read by ``mask`` only; ``0 < low ≤ high``.
+        low: the lower bound, read by ``mask`` and ``reject``; ``0 < low ≤ high``.
         high: the upper bound.
     """
 
@@ -192,12 +196,36 @@ def _truncate(correction: Correction, inputs: LossInputs) -> ImportanceWeights:
     return ImportanceWeights(torch.where(labelled, weight, 0.0), torch.zeros_like(labelled))
 
 
+def _kept(correction: Correction, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log ρ`` [N] at the correction's level, the labelled tokens and those with ``low ≤ ρ ≤ high`` among
+    them ([N] bool each)."""
+    log_ratio, labelled = _log_ratio(correction, inputs)
+    out_of_bounds = (log_ratio < math.log(correction.low)) | (log_ratio > math.log(correction.high))
+    return log_ratio, labelled, labelled & ~out_of_bounds
+
+
 @CORRECTION_MODES.register("mask")
 def _mask(correction: Correction, inputs: LossInputs) -> ImportanceWeights:
-    log_ratio, labelled = _log_ratio(correction, inputs)
-    rejected = (log_ratio < math.log(correction.low)) | (log_ratio > math.log(correction.high))
-    kept = labelled & ~rejected
-    return ImportanceWeights(torch.exp(torch.where(kept, log_ratio, -math.inf)), rejected & labelled)  # ρ ≤ high
+    log_ratio, labelled, kept = _kept(correction, inputs)
+    return ImportanceWeights(torch.exp(torch.where(kept, log_ratio, -math.inf)), labelled & ~kept)  # ρ ≤ high
+
+
+@CORRECTION_MODES.register("reject")
+def _reject(correction: Correction, inputs: LossInputs) -> None:
+    return None  # weight 1: the rejected tokens are out of the mask already (`reject_tokens`)
+
+
+def reject_tokens(correction: Correction | None, inputs: LossInputs) -> tuple[LossInputs, torch.Tensor | None]:
+    """With ``mode="reject"``: ``inputs`` (whole documents) with the rejected tokens out of the mask, and
+    ``[S]`` bool the rejected documents (by `Segments.of(inputs.document_index)`): those with a labelled
+    token and no kept one, which are in no count (math.md#mismatch-correction). Else ``(inputs, None)``.
+    Applying it again changes nothing."""
+    if correction is None or correction.mode != "reject":
+        return inputs, None
+    _, labelled, kept = _kept(correction, inputs)
+    segments = inputs.segments
+    rejected = (segments.sum(labelled.to(F64)) > 0) & (segments.sum(kept.to(F64)) == 0)  # [S]
+    return replace(inputs, mask=torch.where(kept, inputs.mask, torch.zeros_like(inputs.mask))), rejected
 
 
 def token_losses(

@@ -27,6 +27,7 @@ from rlcli.training.guard import UpdateGuard
 from rlcli.training.logprobs import add_trainer_logprobs
 from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.plan import UpdateTotals, mean_over_ranks, passes, plan_update, reduce_partials
+from rlcli.training.rejection import BatchRejection
 from rlcli.training.reward_kl import RewardKL, add_kl_to_rewards
 from rlcli.training.sources import StepSource
 
@@ -83,6 +84,7 @@ class PolicyModule(L.LightningModule):
         self.reward_kl = reward_kl
         self.trainer_config = trainer
         self.guard = UpdateGuard(trainer.grad_clip, trainer.max_bad_steps)
+        self.rejection = BatchRejection(loss.spec.correction, trainer.max_bad_steps)
         self.seed = seed
         self.max_tokens = max_tokens
         self.make_optimizer = make_optimizer
@@ -132,6 +134,7 @@ class PolicyModule(L.LightningModule):
             )
             add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference,
                                  teacher=self.teacher)
+            self.rejection(self.batch, self.device)
             add_kl_to_rewards(self.batch, self.reward_kl)
             add_distill_advantages(self.batch, self.distill_coef, self.device)
             self.completions = collected.completions

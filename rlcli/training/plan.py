@@ -33,14 +33,16 @@ def passes(micro_batches: list[MicroBatch], device: torch.device) -> int:
 
 
 def plan_update(micro_batches: list[MicroBatch], device: torch.device) -> UpdateTotals:
-    """The update's totals (D, T, P, n_d, T_g) over all micro-batches of all ranks."""
+    """The update's totals (D, T, P, n_d, T_g) over all micro-batches of all ranks (a document
+    ``correction.mode=reject`` rejected in none)."""
     numbering = distributed.step_group_numbering(
         [doc.group_id for batch in micro_batches for doc in batch.documents]
     )
     totals = StepTotals.zeros(len(numbering))
     for batch in micro_batches:
+        rejected = torch.tensor([doc.rejected for doc in batch.documents], dtype=torch.bool)  # [S]
         totals = totals + StepTotals.of_tokens(
-            batch.mask, Segments.of(batch.document_index), batch.group_index(numbering), len(numbering)
+            batch.mask, Segments.of(batch.document_index), batch.group_index(numbering), len(numbering), rejected
         )
     flat = distributed.all_reduce(totals.flatten().to(device), "sum")
     return UpdateTotals(totals=StepTotals.unflatten(flat), group_numbering=numbering)

@@ -28,9 +28,10 @@ SECTIONS = (
             ("rlcli.modules.metrics",)),
     Section("KL penalty and mismatch correction",
             "The metrics of the [terms of a real RL loss](../concepts/math.md#kl-entropy-and-the-mismatch-correction),"
-            " with `metrics=basic` or `with_entropy`. `ref` is the reference's log-prob, `prox` the trainer's own "
-            "at the start of the batch, `behav` the sampler's; `k3(δ) = exp(δ) − δ − 1`.",
-            ("rlcli.modules.regularizers",)),
+            " with `metrics=basic` or `with_entropy` (`is_rejected_fraction` whatever the level). `ref` is the "
+            "reference's log-prob, `prox` the trainer's own at the start of the batch, `behav` the sampler's; "
+            "`k3(δ) = exp(δ) − δ − 1`.",
+            ("rlcli.modules.regularizers", "rlcli.training.rejection")),
     Section("On-policy rollouts",
             "With `data=generate`: each process's means over the rollouts it sampled for the step, then the mean "
             "over processes.",

@@ -303,7 +303,7 @@ def test_the_kl_term_is_added_with_the_aggregation_weights(estimator):
 
 
 @pytest.mark.parametrize("level", CORRECTION_LEVELS)
-@pytest.mark.parametrize("mode", [m for m in CORRECTION_MODES if m != "none"])
+@pytest.mark.parametrize("mode", [m for m in CORRECTION_MODES if m not in ("none", "reject")])  # reject: test_reject
 @pytest.mark.parametrize("loss", LOSSES)
 def test_every_correction_mode_and_level(loss, mode, level):
     step = terms_step(9, num_docs=16, behaviour_std=0.5 if level != "geometric" else 1.0)
@@ -449,7 +449,8 @@ OPTION_ERRORS = [
     (lambda: KLPenalty(estimator="K3"), r"^unknown KL estimator"),
     (lambda: KLPenalty(ratio_weighted="true"), r"^ratio_weighted must be a bool; got 'true'$"),
     (lambda: KLPenalty(ratio_weighted=1), r"^ratio_weighted must be a bool; got 1$"),
-    (lambda: Correction(mode="clip"), r"^unknown correction mode 'clip'; expected one of: none, truncate, mask$"),
+    (lambda: Correction(mode="clip"),
+     r"^unknown correction mode 'clip'; expected one of: none, truncate, mask, reject$"),
     (lambda: Correction(level="batch"),
      r"^unknown correction level 'batch'; expected one of: token, sequence, geometric$"),
     (lambda: Correction(low=0.0), r"^low must be a finite number > 0; got 0.0$"),
