@@ -74,3 +74,8 @@ def test_on_policy_distillation(tmp_path):
                                    "rollout.max_new_tokens=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
                                    "advantage.estimator=distill", f"teacher.path={teacher}"])
     assert "distill/reverse_kl" in found
+
+
+def test_generated_rollouts_with_reject(tmp_path):
+    found = run(tmp_path, ["data=generate", "correction.mode=reject"])
+    assert {"is_rejected_fraction", "mismatch_kl"} <= found

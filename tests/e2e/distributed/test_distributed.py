@@ -32,6 +32,11 @@ TERM_ARGUMENTS = dict(kl=KLPenalty(coef=0.05, ratio_weighted=True), entropy_coef
                       correction=Correction(mode="truncate", high=1.5))
 # the dual clip's c (math.md#dual-clip) on ratios around 1.2 (`raised_ratio_rollouts`): it caps some tokens, not all
 DUAL_CLIP = 1.2
+# correction.mode=reject (math.md#mismatch-correction) at each level, with bounds that reject some of the first
+# step's tokens or documents of `spread_rollouts` and keep some (the tiny model's log ratios to the records' are
+# about -0.55 to 0.22 per token)
+REJECT_CASES = [("grpo", "token_mean", "token", 0.75, 1.15), ("gspo", "sample_mean", "sequence", 0.5, 2.0),
+                ("grpo", "prompt_mean", "geometric", 0.85, 2.0)]
 DISTILL_COEF = 0.7  # advantage.estimator=distill's distill.coef, with distill.rewards=grpo
 
 
@@ -41,11 +46,12 @@ def two_rank_overrides(data, strategy, *extra):
 
 
 def reference_parameters(data, docs: list[int], loss: str | PolicyLoss, aggregation: str, divisor,
-                         terms: bool = False, teacher: str | None = None) -> dict:
+                         terms: bool = False, teacher: str | None = None, reject: tuple | None = None) -> dict:
     """One SGD step on ``docs`` as one float64 micro-batch in one process (no split at all); with ``terms``
     the KL penalty to the records' ref_logprobs, the entropy bonus and the mismatch correction too (the
     proximal log-probs of a first step are the current ones); with ``teacher`` (a checkpoint's directory),
-    on-policy distillation's advantages ``A + DISTILL_COEF (tlp - sg(lp))`` (math.md#on-policy-distillation)."""
+    on-policy distillation's advantages ``A + DISTILL_COEF (tlp - sg(lp))`` (math.md#on-policy-distillation);
+    with ``reject = (level, low, high)`` the mismatch correction's reject mode alone."""
     cfg = compose_train_config()
     policy = initial_policy(cfg).double()
     rollouts, _ = load_rollouts([data], vocab_size=policy.config.vocab_size)
@@ -61,14 +67,19 @@ def reference_parameters(data, docs: list[int], loss: str | PolicyLoss, aggregat
                 batch.input_ids, batch.position_ids, batch.labels)
         advantages = advantages + DISTILL_COEF * torch.where(batch.mask > 0, tlp - logprobs.detach(), 0.0)
     numbering = {g: i for i, g in enumerate(dict.fromkeys(d.group_id for d in batch.documents))}
+    corrected = terms or reject is not None
     inputs = LossInputs(
-        proximal_logprobs=logprobs.detach() if terms else batch.sampler_logprobs.double(),
+        proximal_logprobs=logprobs.detach() if corrected else batch.sampler_logprobs.double(),
         advantages=advantages, mask=batch.mask.double(), document_index=batch.document_index,
         group_index=batch.group_index(numbering),
         reference_logprobs=batch.reference_logprobs.double() if terms else None,
-        sampler_logprobs=batch.sampler_logprobs.double() if terms else None,
+        sampler_logprobs=batch.sampler_logprobs.double() if corrected else None,
     )
-    spec = LossSpec(loss, aggregation=aggregation, divisor=divisor, **(TERM_ARGUMENTS if terms else {}))
+    arguments = TERM_ARGUMENTS if terms else {}
+    if reject is not None:
+        level, low, high = reject
+        arguments = {"correction": Correction(mode="reject", level=level, low=low, high=high)}
+    spec = LossSpec(loss, aggregation=aggregation, divisor=divisor, **arguments)
     step_loss, _ = policy_loss(logprobs, inputs, spec, entropy=entropy)
     step_loss.backward()
     with torch.no_grad():
@@ -133,6 +144,16 @@ def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_ro
                              "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
                              f"data.max_tokens={rng.randint(14, 40)}",
                          )})
+        for loss, aggregation, level, low, high in REJECT_CASES:
+            jobs.append({"name": f"{strategy}-{loss}-reject-{level}",
+                         "case": (loss, aggregation, None, False, None, (level, low, high)),
+                         "overrides": two_rank_overrides(
+                             spread_rollouts, strategy, f"loss={loss}", f"aggregation={aggregation}",
+                             "correction.mode=reject", f"correction.level={level}", f"correction.low={low}",
+                             f"correction.high={high}", "optimizer=sgd", f"optimizer.lr={LR}", "trainer.grad_clip=0",
+                             "trainer.max_steps=1", f"trainer.docs_per_step={DOCS_PER_STEP}",
+                             f"data.max_tokens={rng.randint(14, 40)}",
+                         )})
     teacher = tmp_path / "teacher"
     tiny_policy(64, hidden_size=32, num_heads=2, seed=7).save_pretrained(teacher)  # the toy rollouts' vocabulary
     jobs.append({"name": "ddp-grpo-distill", "case": ("grpo", "sample_mean", None, False, str(teacher)),
@@ -151,6 +172,9 @@ def test_one_step_on_two_ranks_equals_the_float64_whole_step(tmp_path, spread_ro
             data, case = raised_ratio_rollouts, (make_loss(case[0], dual_clip=DUAL_CLIP), *case[1:])
             header, row = (tmp_path / job["name"] / "metrics.csv").read_text().splitlines()
             assert float(row.split(",")[header.split(",").index("dual_clipped_fraction")]) > 0, job["name"]  # it acts
+        if "-reject-" in job["name"]:  # it rejects some tokens and keeps some
+            header, row = (tmp_path / job["name"] / "metrics.csv").read_text().splitlines()
+            assert 0 < float(row.split(",")[header.split(",").index("is_rejected_fraction")]) < 1, job["name"]
         expected, initial = reference_parameters(data, docs, *case)
         actual = torch.load(tmp_path / f"{job['name']}.pt")
         update_error = sum((actual[k].double() - expected[k]).norm() ** 2 for k in expected) ** 0.5
