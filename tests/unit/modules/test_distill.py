@@ -239,3 +239,38 @@ def test_distill_rewards_passk_reads_advantage_k(tmp_path):
                for p in problems_of([*distill, "distill.rewards=passk"]))
     typed = validate_config(compose_train_config([*distill, "distill.rewards=passk", "advantage.k=2"]))
     assert typed.distill.rewards == "passk"
+
+
+# the rewards' part, where the advantages are computed
+
+
+@pytest.mark.parametrize("rewards", ["none", "grpo", "rloo"])
+def test_rollout_files_get_the_rewards_part_of_distill_rewards(tmp_path, rewards):
+    """At read, distill.rewards is the estimator of the rewards (none: 0); a record that carries advantages
+    keeps them. The reference group advantages are written from the formulas of math.md#advantages."""
+    from factories import rollout_record, write_jsonl
+    from rlcli.training.sources.files import RolloutsKind
+
+    records = [rollout_record(g, completion_len=2 + g % 3, reward=float(g * g % 5)) for g in range(8)]
+    records[0]["advantages"] = [0.25] * 2
+    data = write_jsonl(tmp_path / "rollouts.jsonl", records)
+    teacher = save_model(tmp_path / "teacher", VOCAB, seed=1)
+    typed = validate_config(compose_train_config(["data=rollouts", f"data.paths=[{data}]",
+                                                  "advantage.estimator=distill", f"teacher.path={teacher}",
+                                                  f"distill.rewards={rewards}"]))
+    got = {doc.index: doc.advantages for doc in RolloutsKind(typed, tmp_path).read(64)}
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(records[1:], start=1):
+        groups.setdefault(r["group_id"], []).append(i)
+    want = {0: (0.25, 0.25)}
+    for members in groups.values():
+        rs = [records[i]["reward"] for i in members]
+        mean = sum(rs) / len(rs)
+        std = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
+        for i, r in zip(members, rs):
+            value = {"none": 0.0, "grpo": (r - mean) / (std + typed.advantage.eps) if std else 0.0,
+                     "rloo": (r - (sum(rs) - r) / (len(rs) - 1)) if len(rs) > 1 else 0.0}[rewards]
+            want[i] = (value,) * len(records[i]["completion_ids"])
+    for i, values in want.items():
+        assert got[i] == pytest.approx(values, abs=1e-12), (rewards, i)
+    assert rewards == "none" or any(v[0] != 0 for i, v in got.items() if i)
