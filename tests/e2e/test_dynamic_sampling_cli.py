@@ -152,3 +152,21 @@ def test_a_prompts_task_filters_on_accuracy_by_default(tmp_path):
     result = run_rlcli([*common, rewards, "rollout.filter_metric=reward", "hydra.run.dir=reward"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert all(float(r["groups_kept"]) > 0 for r in read_metrics(tmp_path / "reward"))
+
+
+def test_a_resumed_run_samples_the_same_rounds(tmp_path):
+    """Every round is seeded from (seed, step, process, round): a run resumed from its step-2 checkpoint samples
+    steps 3 and 4 exactly as the run that went straight through (the same kept rollouts, the same counts), with
+    groups of two so that steps take several rounds. Seeds kept in state, or drawn from a shared generator, fail."""
+    common = ["rollout.filter=zero_variance", "rollout.save=true", "rollout.prompts_per_step=3",
+              "rollout.group_size=2", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    train(compose_train_config(common), tmp_path / "straight")
+    run = tmp_path / "run"
+    train(compose_train_config(common), run)
+    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed after step 4
+    train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
+    assert (run / "rollouts.jsonl").read_text() == (tmp_path / "straight" / "rollouts.jsonl").read_text()
+    counts = ("groups_kept", "groups_filtered", "sampling_rounds", "reward", "num_documents")
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(run)
+    assert [[r[c] for c in counts] for r in resumed] == [[r[c] for c in counts] for r in straight]
+    assert any(float(r["sampling_rounds"]) > 1 for r in straight[2:])
