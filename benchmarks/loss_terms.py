@@ -42,6 +42,9 @@ def _parse(argv):
     parser.add_argument("--chunk-tokens", type=chunk_tokens_arg, default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each step by this process's CPU time on one thread: on a machine that other jobs "
+                             "share, the cost of the step itself (CPU only)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
     args.attn = "auto"  # what benchmarks.throughput's model builder reads
@@ -63,6 +66,8 @@ def run(args) -> dict:
     )
 
     device = torch.device(args.device)
+    if args.cpu_time and device.type != "cpu":
+        raise SystemExit("--cpu-time: times CPU steps only")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
                                     mb.mask, mb.document_index)]
@@ -109,19 +114,17 @@ def run(args) -> dict:
 
     teacher = TokenScorer(copy.deepcopy(model).requires_grad_(False), head, with_entropy=False)
     steps = {"plain": train_pass, "recompute": recompute_step, "kl": kl_step, "distill": distill_step}
-    for fn in steps.values():
-        fn()  # warm-up
-        sync()
-    times = {name: [] for name in steps}
-    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in all four
-        for name, fn in steps.items():
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    threads = torch.get_num_threads()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    try:
+        times = _time_in_turns(steps, args.repeats, time.process_time if args.cpu_time else time.perf_counter, sync)
+    finally:
+        torch.set_num_threads(threads)
     result = dict(documents=args.documents, micro_batches=len(rows), model=dict(hidden=args.hidden,
                   layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens, attention=attention,
-                  device=str(device), device_name=device_name(device))
+                  device=str(device), device_name=device_name(device),
+                  timer="CPU time, one thread" if args.cpu_time else "wall time")
     for name in steps:
         result[f"{name}_s"] = statistics.median(times[name])
     for name in ("recompute", "kl", "distill"):
@@ -129,11 +132,27 @@ def run(args) -> dict:
     return result
 
 
+def _time_in_turns(steps: dict, repeats: int, clock, sync) -> dict[str, list[float]]:
+    """Each step's times by ``clock`` after a warm-up, the steps in turns, so that a change in the machine's
+    load shows in all of them."""
+    for fn in steps.values():
+        fn()  # warm-up
+        sync()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            start = clock()
+            fn()
+            sync()
+            times[name].append(clock() - start)
+    return times
+
+
 def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['documents']} rollouts in {r['micro_batches']} packed micro-batches; tiny Llama H={r['model']['hidden']} "
         f"layers={r['model']['layers']} V={r['model']['vocab']}, attention {r['attention']}, on {r['device_name']}; "
-        "median step",
+        f"median step ({r['timer']})",
         "",
         "| step | time (s) | ratio to plain |",
         "|---|---:|---:|",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import live_loop, lm_head, stream_queue, throughput
 
@@ -40,11 +41,13 @@ def test_throughput_runs_both_loops(tmp_path):
 def test_loss_terms_times_the_four_steps(tmp_path, capsys):
     from benchmarks import loss_terms
 
+    threads = torch.get_num_threads()
     out = tmp_path / "terms.json"
     r = loss_terms.main(["--documents", "6", "--min-completion", "2", "--max-completion", "8", "--max-tokens", "32",
                          "--hidden", "16", "--vocab", "64", "--chunk-tokens", "8", "--repeats", "1",
-                         "--json", str(out)])
+                         "--json", str(out), "--cpu-time"])
     assert r["plain_s"] > 0 and r["recompute_ratio"] > 0 and r["kl_ratio"] > 0 and r["distill_ratio"] > 0
+    assert r["timer"] == "CPU time, one thread" and torch.get_num_threads() == threads  # restored
     assert json.loads(out.read_text())["micro_batches"] == r["micro_batches"]
     printed = capsys.readouterr().out
     assert "+ KL" in printed and "+ distill" in printed
