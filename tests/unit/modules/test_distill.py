@@ -25,6 +25,7 @@ from rlcli.training.batches import BatchPlan
 from rlcli.training.distill import add_distill_advantages
 from rlcli.training.logprobs import add_trainer_logprobs
 from rlcli.training.loss import MicroBatchLoss
+from rlcli.training.module import PolicyModule
 from rlcli.training.plan import plan_update
 from train_helpers import compose_train_config
 
@@ -204,7 +205,12 @@ def test_kl_reference_at_the_teacher_path_is_the_same_model(tmp_path, monkeypatc
                                                   "kl.coef=0.1", f"kl.reference={teacher}"]))
     policy = tiny_policy(VOCAB)
     reference = build_reference(typed, policy)
-    assert build_teacher(typed, policy, reference) is reference
+    shared = build_teacher(typed, policy, reference)
+    assert shared is reference
+    loss = MicroBatchLoss(typed.loss, typed.aggregation, typed.metrics.level, typed.kl, typed.correction)
+    module = PolicyModule(policy, loss, typed.trainer, None, None, seed=0, max_tokens=64, reference=reference,
+                          teacher=shared, distill_coef=1.0)
+    assert module.teacher is module.reference  # one scorer: add_trainer_logprobs runs one forward for both
     other = validate_config(compose_train_config(["advantage.estimator=distill", f"teacher.path={teacher}",
                                                   "kl.coef=0.1"]))  # kl.reference=initial: two models
     assert build_teacher(other, policy, build_reference(other, policy)) is not None
