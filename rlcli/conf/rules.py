@@ -170,9 +170,9 @@ def kl_in_reward(cfg: TrainConfig, command: str) -> Iterator[str]:
     kl = cfg.kl
     if kl.placement != "reward" or kl.coef == 0:
         return
-    if kl.estimator != "k1":
+    if kl.estimator not in (None, "k1"):
         yield (f"kl.estimator: kl.placement=reward subtracts beta x the sum of k1 = old_lp - ref_lp from the reward, "
-               f"not {kl.estimator}; set kl.estimator=k1")
+               f"not {kl.estimator}; leave kl.estimator unset (null) or set it to k1")
     if kl.ratio_weighted:
         yield "kl.ratio_weighted: weighs the KL term of the loss, and with kl.placement=reward the loss has none"
     kind, estimator = cfg.data.kind, cfg.advantage.estimator

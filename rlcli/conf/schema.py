@@ -70,7 +70,8 @@ class KLConfig:
     ``placement=reward`` ``coef`` x the sum of k1 is subtracted from each document's reward."""
 
     coef: float = described("the KL penalty's weight beta (0: off)", **TERM_COEF)
-    estimator: Literal[KL_ESTIMATORS.names()] = described("the estimator k_t of the KL, of delta = ref_lp - lp")
+    estimator: Optional[Literal[KL_ESTIMATORS.names()]] = described(
+        "the estimator k_t of the KL, of delta = ref_lp - lp (null: k3 with kl.placement=loss, k1 with reward)")
     ratio_weighted: bool = described(
         "multiply the KL term by the differentiable ratio r_t = exp(lp - old_lp): with k3 its expected gradient is "
         "the reverse KL's (TRL's use_bias_correction_kl)")

@@ -46,7 +46,7 @@ class MicroBatchLoss:
                  correction: CorrectionConfig) -> None:
         self.spec = LossSpec(
             loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=metrics,
-            kl=KLPenalty(coef=kl.coef, estimator=kl.estimator,
+            kl=KLPenalty(coef=kl.coef, estimator=kl.estimator or KLPenalty.estimator,  # null: the default, k3
                          ratio_weighted=kl.ratio_weighted) if kl.coef > 0 and kl.placement == "loss" else None,
             entropy_coef=loss.entropy_coef,
             correction=None if correction.mode == "none" else Correction(

@@ -14,7 +14,7 @@ from tools.docgen.metrics import declared, matches
 from train_helpers import run_rlcli
 
 pytestmark = pytest.mark.slow
-KL_IN_REWARD = ["kl.placement=reward", "kl.estimator=k1", "kl.coef=0.1"]
+KL_IN_REWARD = ["kl.placement=reward", "kl.coef=0.1"]
 
 
 def metrics(run: Path) -> list[dict]:

@@ -276,16 +276,8 @@ def compose_quickly(overrides: list[str]):
 def _one_micro_batch_loss(cfg) -> None:
     """The training module's fused head and loss of one micro-batch (float32), with the config's loss
     and its terms: the values the loss computes with only meet torch here."""
-    from rlcli.modules import (
-        Correction,
-        HeadSpec,
-        KLPenalty,
-        LossInputs,
-        LossSpec,
-        Segments,
-        StepTotals,
-        fused_micro_batch_loss,
-    )
+    from rlcli.modules import LossInputs, Segments, StepTotals, fused_micro_batch_loss
+    from rlcli.training.loss import MicroBatchLoss
 
     generator = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(8, 4, generator=generator), torch.randn(6, 4, generator=generator)  # [N, H] [V, H]
@@ -293,15 +285,11 @@ def _one_micro_batch_loss(cfg) -> None:
     proximal, advantages = -3 * torch.rand(8, generator=generator), torch.randn(8, generator=generator)  # [N]
     mask, document_index, group_index = torch.ones(8), torch.arange(8) // 4, torch.arange(8) // 4  # [N]
     totals = StepTotals.of_tokens(mask, Segments.of(document_index), group_index, 2)
-    loss, k, c = cfg.loss, cfg.kl, cfg.correction
-    kl = KLPenalty(coef=k.coef, estimator=k.estimator) if k.coef > 0 else None
-    correction = None if c.mode == "none" else Correction(mode=c.mode, level=c.level, low=c.low, high=c.high)
+    batch_loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction)
+    spec, head = batch_loss.spec, batch_loss.head
     inputs = LossInputs(proximal_logprobs=proximal, advantages=advantages, mask=mask, document_index=document_index,
-                        group_index=group_index, reference_logprobs=proximal - 1 if kl else None,
-                        sampler_logprobs=proximal + 0.5 if correction else None)
-    spec = LossSpec(loss=loss.objective, aggregation=cfg.aggregation.name, divisor=cfg.aggregation.divisor,
-                    metrics=cfg.metrics.level, kl=kl, entropy_coef=loss.entropy_coef, correction=correction)
-    head = HeadSpec(temperature=loss.temperature, fp32=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens)
+                        group_index=group_index, reference_logprobs=proximal - 1 if spec.kl_on else None,
+                        sampler_logprobs=proximal + 0.5 if spec.correction_on else None)
     fused_micro_batch_loss(hidden, weight, labels, inputs, totals, spec, head)
 
 

@@ -130,7 +130,7 @@ def test_rollout_files_are_shaped_at_read():
     """r - beta sum (old - ref) over labelled tokens with the records' old_logprobs; unchanged with placement=loss or
     coef 0; a record that carries advantages is an error naming it."""
     cfg = compose_train_config(["data=rollouts", "data.paths=[x.jsonl]", "kl.reference=rollouts", "kl.coef=0.5",
-                                "kl.placement=reward", "kl.estimator=k1"])
+                                "kl.placement=reward", "kl.estimator=k1"])  # k1 may be said
     rollouts = [doc("f:1", 1.0, "g", old=[-1.0, -2.0], ref=[-2.0, 0.0], mask=[1, 0], advantage=None),
                 doc("f:2", 0.0, "g", old=[-1.0], ref=[-0.5], advantage=None)]
     assert [r.reward for r in subtract_kl_at_read(rollouts, cfg)] == [0.5, 0.25]
@@ -146,21 +146,21 @@ def test_the_loss_has_no_kl_term_with_the_kl_in_the_reward():
 
     cfg = validate_config(compose_train_config())
 
-    def spec(placement):
-        kl = KLConfig(coef=0.1, estimator="k1", ratio_weighted=False, reference="initial", placement=placement)
+    def spec(placement, estimator="k1"):
+        kl = KLConfig(coef=0.1, estimator=estimator, ratio_weighted=False, reference="initial", placement=placement)
         return MicroBatchLoss(cfg.loss, cfg.aggregation, "basic", kl, cfg.correction).spec
     assert spec("loss").kl_on and not spec("reward").kl_on
+    assert spec("loss", None).kl.estimator == "k3" and spec("loss", "k1").kl.estimator == "k1"  # null: k3 in the loss
 
 
-GENERATE = ["data=generate", "kl.coef=0.1", "kl.placement=reward", "kl.estimator=k1"]
-FILES = ["data=rollouts", "data.paths=[x.jsonl]", "kl.reference=rollouts", "kl.coef=0.1", "kl.placement=reward",
-         "kl.estimator=k1"]
+GENERATE = ["data=generate", "kl.coef=0.1", "kl.placement=reward"]  # kl.estimator unset: k1 in the reward
+FILES = ["data=rollouts", "data.paths=[x.jsonl]", "kl.reference=rollouts", "kl.coef=0.1", "kl.placement=reward"]
 APPLIES = "kl.placement: reward subtracts the KL from the rewards before rlcli computes the advantages"
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ([*GENERATE[:3]], "kl.estimator: kl.placement=reward subtracts beta x the sum of k1 = old_lp - ref_lp from the "
-                      "reward, not k3; set kl.estimator=k1"),
+    ([*GENERATE, "kl.estimator=k3"], "kl.estimator: kl.placement=reward subtracts beta x the sum of k1 = old_lp - "
+                                     "ref_lp from the reward, not k3; leave kl.estimator unset (null) or set it to k1"),
     ([*GENERATE, "kl.ratio_weighted=true"], "kl.ratio_weighted: weighs the KL term of the loss"),
     ([*GENERATE, "rollout.mask_truncated=true"], "rollout.mask_truncated: drops the truncated completions"),
     ([*FILES, "kl.reference=initial"], f"{APPLIES}, so it applies with data=generate, or data=rollouts with "
