@@ -20,6 +20,7 @@ Nothing else in `rlcli.modules` names a loss: a `LossSpec` takes its name (or an
 from __future__ import annotations
 
 import math
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -157,6 +158,11 @@ class PolicyLoss(ABC):
 
     def __post_init__(self):
         check_bounds(self)
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):  # a float option given as an int (a config's eps_high=2**64): torch compares
+            value = getattr(self, f.name)  # tensors with floats of any size, not with ints beyond 64 bits
+            if float in (hints[f.name], *typing.get_args(hints[f.name])) and type(value) is int:
+                object.__setattr__(self, f.name, float(value))
 
     @abstractmethod
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:

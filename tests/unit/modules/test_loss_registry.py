@@ -147,6 +147,16 @@ def test_make_loss_and_the_registry():
     assert LOSSES["grpo"] is GRPO
 
 
+def test_a_float_option_given_as_a_huge_int_is_a_float():
+    """A config's ``loss.eps_high=18446744073709551616`` is an int beyond 64 bits, which torch cannot compare
+    with a tensor: `make_loss` makes it the float it declares, and the loss computes (fails with the int kept)."""
+    loss = make_loss("grpo", eps_high=2**64, dual_clip=2**64)
+    assert type(loss.eps_high) is float and loss.eps_high == 2.0**64 and type(loss.dual_clip) is float
+    ratio, advantages = torch.tensor([0.5, 3.0]), torch.tensor([-1.0, 1.0])  # [N]
+    assert loss.clipped(ratio).tolist() == [True, False]  # 0.5 < 1 - eps_low; 3 <= 1 + 2**64
+    assert loss.dual_capped(ratio, advantages).tolist() == [False, False]
+
+
 # --------------------------------------------------------------------------------------------
 # a loss added by registration only
 # --------------------------------------------------------------------------------------------
