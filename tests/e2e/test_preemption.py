@@ -22,6 +22,7 @@ from train_helpers import alive, descendants
 
 TWO_PROCESSES = ["trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp"]
 RUN = ["data=rollouts", "hydra.run.dir=run", "data.epochs=50", "trainer.accumulate_microbatches=1"]
+LEFTOVER_GRACE = 10.0  # seconds a process of an ended run may take to exit (see Run.finish)
 
 
 class Run:
@@ -77,7 +78,12 @@ class Run:
         self.process.wait(timeout=120)
         text = self.text()
         assert "Traceback" not in text, text[-3000:]
-        assert not [pid for pid in self.seen if alive(pid)]
+        # a short-lived helper (git, for a manifest) started just before the signal may outlive its parent by
+        # moments; a process of the run that is still there after LEFTOVER_GRACE seconds is a leak
+        deadline = time.monotonic() + LEFTOVER_GRACE
+        while (left := [pid for pid in self.seen if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, [_command_line(pid) for pid in left]
         return text
 
 
@@ -94,6 +100,13 @@ def start(tmp_path):
     for started in runs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(started.process.pid, signal.SIGKILL)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid}: exited"
 
 
 def _status(pid: int) -> dict[str, str]:
