@@ -7,6 +7,7 @@ which metric, and the rejections that name them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +65,7 @@ def filter_rollouts(rollouts: Sequence[Rollout], key: str = "data.filter") -> tu
                         f"records' rewards ({len(lacking)} records lack one); set {key}=none to train on them")
     groups = [_group_of(r) for r in rollouts]
     dropped = zero_variance_groups([r.reward for r in rollouts], groups)
-    sizes: dict[Hashable, int] = {}
-    for group in groups:
-        sizes[group] = sizes.get(group, 0) + 1
+    sizes = Counter(groups)
     kept, rejections = [], []
     for rollout, group in zip(rollouts, groups):
         if group not in dropped:
