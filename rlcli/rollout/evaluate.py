@@ -21,7 +21,7 @@ import torch
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.rollout.sampler import Sampler
-from rlcli.rollout.tasks import Prompt
+from rlcli.rollout.tasks import Prompt, Score, score_completions
 
 __all__ = ["EVAL_PROMPTS_SEED", "METRICS", "EvalResult", "eval_prompts", "evaluate", "mean_metrics", "pass_at_k"]
 
@@ -88,23 +88,21 @@ def eval_prompts(task: Any, prompts: int) -> list[Prompt]:
     return list(task.sample_prompts(random.Random(EVAL_PROMPTS_SEED), prompts))
 
 
-def _row(task: Any, prompt: Prompt, completions: list, samples: int) -> dict[str, Any]:
-    rewards = [float(task.reward(prompt, c.ids)) for c in completions]
-    correct = [bool(task.is_correct(prompt, c.ids)) for c in completions]
-    num_correct = sum(correct)
+def _row(task: Any, prompt: Prompt, completions: list, scores: list[Score], samples: int) -> dict[str, Any]:
+    num_correct = sum(s.correct for s in scores)
     return {
         "prompt": prompt.text,
         "answer": prompt.answer,
         "correct": num_correct,
-        "reward": math.fsum(rewards) / samples,
+        "reward": math.fsum(s.reward for s in scores) / samples,
         "pass@1": pass_at_k(samples, num_correct, 1),
         "pass@k": pass_at_k(samples, num_correct, samples),
         "length": sum(len(comp.ids) for comp in completions) / samples,
         "stopped_fraction": sum(comp.stopped for comp in completions) / samples,
         "completions": [
             {"text": task.tokenizer.decode(comp.ids), "tokens": len(comp.ids), "stopped": comp.stopped,
-             "reward": reward, "correct": ok}
-            for comp, reward, ok in zip(completions, rewards, correct)
+             "reward": score.reward, "correct": score.correct}
+            for comp, score in zip(completions, scores)
         ],
     }
 
@@ -144,7 +142,9 @@ def evaluate(
             pad_id=tokenizer.pad_id,
             generator=generator,
         )
+        scores = score_completions(task, [p for p in chunk for _ in range(samples)], [c.ids for c in completions])
         for i, prompt in enumerate(chunk):
-            rows.append(_row(task, prompt, completions[i * samples : (i + 1) * samples], samples))
+            mine = slice(i * samples, (i + 1) * samples)
+            rows.append(_row(task, prompt, completions[mine], scores[mine], samples))
     reward_stats = task.take_reward_stats() if hasattr(task, "take_reward_stats") else {}
     return EvalResult(samples=samples, metrics=mean_metrics(rows), rows=rows, reward_stats=reward_stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from rlcli.rollout.completions import pick, text_row
 from rlcli.rollout.filtering import NO_FILTER, GroupFilter, filter_metric_of, filtered_reason, zero_variance_groups
 from rlcli.rollout.overlong import NO_SHAPING, Overlong, overlong_reward
 from rlcli.rollout.sampler import Sampler
+from rlcli.rollout.tasks import score_completions
 
 __all__ = ["METRICS", "OnPolicyRollouts", "step_seed"]
 
@@ -63,13 +65,14 @@ def step_seed(seed: int, step: int, rank: int, round_: int = 0) -> int:
 
 @dataclass(frozen=True)
 class _Sampled:
-    """One sampled completion, scored: its task reward, correctness, overlong reward (None: no shaping) and
-    shaped reward, with its group id and source."""
+    """One sampled completion, scored: its task reward, correctness, reward terms (`Score.terms`), overlong
+    reward (None: no shaping) and shaped reward, with its group id and source."""
 
     prompt: Any
     completion: Any
     task_reward: float
     correct: bool
+    terms: Mapping[str, float]
     overlong: float | None
     reward: float
     group_id: str
@@ -151,7 +154,7 @@ class OnPolicyRollouts:
 
     def generate_logged(self, step: int, log_completions: int) -> tuple[list[Rollout], dict[str, float], list[dict]]:
         """`generate`, and the lines of ``completions.jsonl`` for ``log_completions`` of the rollouts
-        (`rlcli.rollout.completions`): decoded text and, from a task with ``reward_terms``, each
+        (`rlcli.rollout.completions`): decoded text and, from a task whose scores have terms, each
         term's value."""
         rollouts, stats, lines, _ = self.generate_filtered(step, log_completions)
         return rollouts, stats, lines
@@ -217,14 +220,14 @@ class OnPolicyRollouts:
             pad_id=tokenizer.pad_id,
             generator=generator,
         )
+        scores = score_completions(self.task, owners, [c.ids for c in completions])
         batch = []
-        for i, (prompt, completion) in enumerate(zip(owners, completions)):
-            task_reward = float(self.task.reward(prompt, completion.ids))
+        for i, (prompt, completion, score) in enumerate(zip(owners, completions, scores)):
             overlong = None if self.overlong.buffer is None else overlong_reward(
                 len(completion.ids), self.max_new_tokens, self.overlong.buffer)
-            reward = task_reward if overlong is None else task_reward + self.overlong.penalty * overlong
+            reward = score.reward if overlong is None else score.reward + self.overlong.penalty * overlong
             batch.append(_Sampled(
-                prompt, completion, task_reward, bool(self.task.is_correct(prompt, completion.ids)), overlong, reward,
+                prompt, completion, score.reward, score.correct, score.terms, overlong, reward,
                 group_id=f"s{step}-r{self.rank}-p{first_prompt + i // self.group_size}",
                 source=f"rollout:step {step} rank {self.rank} #{first_completion + i}"))
         return batch
@@ -277,9 +280,7 @@ class OnPolicyRollouts:
 
     def _completion_line(self, c: _Sampled, advantage: float) -> dict:
         decode = self.task.tokenizer.decode
-        terms = self.task.reward_terms(c.prompt, c.completion.ids) if hasattr(self.task, "reward_terms") else {}
-        if c.overlong is not None:
-            terms = {**terms, "overlong": c.overlong}
+        terms = dict(c.terms) if c.overlong is None else {**c.terms, "overlong": c.overlong}
         return text_row(prompt=decode(c.prompt.ids), completion=decode(c.completion.ids), rewards=terms,
                         reward=c.reward, advantage=advantage, length=len(c.completion.ids),
                         stopped=c.completion.stopped, group_id=c.group_id)

@@ -1,4 +1,5 @@
-"""``task=prompts``: prompts from your own JSON Lines / Parquet files, scored by verifiable rewards.
+"""``task=prompts``: prompts from your own JSON Lines / Parquet files or Hugging Face datasets, scored by
+verifiable rewards.
 
 A record (a JSON line, a Parquet row) holds ``prompt`` (text, or chat messages
 ``[{"role": ..., "content": ...}, ...]``), ``answer`` (text or a number; optional when no reward
@@ -14,18 +15,23 @@ How a prompt becomes tokens (as in TRL's trainers, whose datasets look the same)
   none for Qwen). With ``chat_template`` or ``system_prompt`` set, text becomes one user message
   and goes through the template like messages.
 
-Every record is checked when the task is built; all the problems of all files are reported in one
-`UserError`, each with its ``file:line`` (``file:row N`` for Parquet).
+A dataset's rows (`rlcli.rollout.hf_datasets`) become such records through ``columns``; ``answer_pattern``
+extracts the answer from the answer text of files and datasets alike.
+
+Every record is checked when the task is built; all the problems of all files and datasets are reported
+in one `UserError`, each with its ``file:line`` (``file:row N`` for Parquet, ``dataset D split S row N``).
 
 Training prompts are drawn without replacement within a call of `PromptsTask.sample_prompts`
-(through the data again when a call needs more than there are), independently between calls: the
-draw depends on the step's seeded ``rng`` only, so a resumed run draws the same prompts.
+(through the data again when a call needs more than there are), independently between calls; with a
+mixture of datasets each prompt first picks its dataset by weight. The draw depends on the step's seeded
+``rng`` only, so a resumed run draws the same prompts and the checkpoint holds no position.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +41,9 @@ from omegaconf import OmegaConf
 from rlcli.data.errors import DataError, RecordError
 from rlcli.data.readers import MAX_LISTED_PROBLEMS, expand_paths, read_records
 from rlcli.errors import UserError
+from rlcli.rollout import hf_datasets
 from rlcli.rollout.rewards import DEFAULT_REWARDS, build_rewards
-from rlcli.rollout.tasks import Prompt
+from rlcli.rollout.tasks import Prompt, Score
 
 __all__ = ["ROLES", "HFTokenizer", "PromptsTask"]
 
@@ -44,7 +51,8 @@ ROLES = ("system", "user", "assistant", "tool")
 # The files a local tokenizer directory holds one of; without any, transformers would build an empty
 # tokenizer from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-NO_PROMPT_FILES = "task.paths: give the prompt files, JSON Lines or Parquet (task.paths=[train.jsonl])"
+NO_PROMPT_FILES = ("task.paths: give the prompt files, JSON Lines or Parquet (task.paths=[train.jsonl]), "
+                   "or a dataset (task.dataset.path=DIR)")
 
 
 class HFTokenizer:
@@ -124,22 +132,37 @@ def _is_number(value: Any) -> bool:
 
 
 class PromptsTask:
-    """Prompts of ``paths`` (JSON Lines / Parquet files or globs), scored by ``rewards``.
+    """Prompts of ``paths`` (JSON Lines / Parquet files or globs) or of ``dataset`` (one Hugging Face
+    dataset or a weighted mixture, `rlcli.rollout.hf_datasets`; not both), scored by ``rewards``.
 
-    The held-out split, returned by `eval_prompts`, is the records of ``eval_paths``, or with none
-    the fraction ``eval_fraction`` of the records of ``paths`` chosen by a shuffle seeded by ``seed``
-    (at least one record when the fraction is above 0). A task to evaluate only needs
-    ``eval_paths``; one to train on needs ``paths`` outside them (`training_problems`, a config rule
-    of the training commands). ``tokenizer`` is a model directory (by
+    The held-out split, returned by `eval_prompts`, is the records of ``eval_paths``, of
+    ``eval_dataset``, of the split ``eval_split`` of each dataset, or with none of these the fraction
+    ``eval_fraction`` of the training records (of each dataset) chosen by a shuffle seeded by ``seed``
+    (at least one record when the fraction is above 0). A task to evaluate only needs its held-out
+    prompts; one to train on needs ``paths`` or ``dataset`` outside them (`training_problems`, a config
+    rule of the training commands). ``columns`` names a dataset's prompt and answer columns;
+    ``answer_pattern`` a regex whose first group is the answer. ``tokenizer`` is a model directory (by
     default the model's, ``model.path``); ``chat_template``, ``system_prompt``: see the module.
     A prompt of more than ``max_prompt_tokens`` tokens is an error. ``rewards`` lists reward terms
     (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone).
     """
 
     OPTION_DOCS = {
-        "paths": "training prompts: JSON Lines or Parquet files or globs (required to train)",
+        "paths": "training prompts: JSON Lines or Parquet files or globs (this or task.dataset to train)",
         "eval_paths": "held-out prompts for rlcli eval (all it needs) and eval.every; none of task.paths among them",
-        "eval_fraction": "without eval_paths: this fraction of paths is held out, chosen by a shuffle seeded by seed",
+        "eval_fraction": "without another held-out split: this fraction of the training prompts (of each dataset) "
+                         "is held out, chosen by a shuffle seeded by seed",
+        "dataset": "training prompts from a Hugging Face dataset {path, name, split, revision, data_files}: path a "
+                   "Hub id, a dataset or save_to_disk directory, or a builder (parquet, json, csv) with data_files; "
+                   "path null: none",
+        "mixture": "training prompts from several datasets, each prompt's drawn by weight with the step's seed: "
+                   "[{path: A, weight: 2}, {path: B, split: train, weight: 1}]",
+        "eval_dataset": "held-out prompts from one dataset {path, name, split, revision, data_files}",
+        "eval_split": "held-out prompts: this split (e.g. test) of each training dataset",
+        "columns": "the dataset columns that hold the prompt (text or chat messages) and the answer (null: none); "
+                   "the other columns go to the rewards as fields",
+        "answer_pattern": "a regex whose first group is the answer, searched in each record's answer "
+                          "('#### (.+)' for GSM8K); null: the answer as it is",
         "seed": "seeds the shuffle that holds out eval_fraction; by default the run's seed",
         "tokenizer": "a directory with a Hugging Face tokenizer; by default model.path",
         "trust_remote_code": "let transformers run the tokenizer's own code; by default model.trust_remote_code",
@@ -164,15 +187,35 @@ class PromptsTask:
         system_prompt: str | None = None,
         max_prompt_tokens: int = 1024,
         rewards: Any = None,
+        dataset: Any = None,
+        mixture: Any = None,
+        eval_dataset: Any = None,
+        eval_split: str | None = None,
+        columns: Any = None,
+        answer_pattern: str | None = None,
     ) -> None:
         patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
-        if not patterns and not eval_patterns:
+        sources = _training_sources(dataset, mixture)
+        eval_sources = hf_datasets.parse_dataset(_plain(eval_dataset), "task.eval_dataset")
+        if patterns and sources:
+            raise UserError("task.paths: give the training prompts either as files (task.paths) or as "
+                            "datasets (task.dataset, or task.mixture), not both")
+        if eval_split is not None and not (isinstance(eval_split, str) and eval_split):
+            raise UserError(f"task.eval_split: must be a split name (e.g. test) or null, got {eval_split!r}")
+        if eval_split is not None and not sources:
+            raise UserError("task.eval_split: a split of the training datasets, and there are none; set "
+                            "task.dataset.path (or task.mixture)")
+        if not (patterns or eval_patterns or sources or eval_sources):
             raise UserError(NO_PROMPT_FILES)
         if not (_is_number(eval_fraction) and 0 <= eval_fraction < 1):
             raise UserError(f"task.eval_fraction: must be a number in [0, 1), got {eval_fraction!r}")
-        if eval_patterns and eval_fraction:
-            raise UserError("task.eval_fraction: give the held-out prompts either as task.eval_paths or as a "
-                            "fraction of task.paths, not both")
+        held_out_keys = [k for k, v in (("task.eval_paths", eval_patterns), ("task.eval_dataset", eval_sources),
+                                        ("task.eval_split", eval_split), ("task.eval_fraction", eval_fraction)) if v]
+        if len(held_out_keys) > 1:
+            raise UserError(f"{held_out_keys[-1]}: give the held-out prompts one way: "
+                            f"{' and '.join(held_out_keys)}, not both")
+        self.columns = hf_datasets.parse_columns(_plain(columns))
+        self.answer_pattern = _answer_pattern(answer_pattern)
         if not (isinstance(max_prompt_tokens, int) and not isinstance(max_prompt_tokens, bool)
                 and max_prompt_tokens >= 1):
             raise UserError(f"task.max_prompt_tokens: must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -191,38 +234,47 @@ class PromptsTask:
 
         files, eval_files = _files(patterns, "task.paths"), _files(eval_patterns, "task.eval_paths")
         problems: list[str] = []
-        train = self._read(files, "task.paths", problems) if files else []
+        parts = [self._read(files, "task.paths", problems)] if files else []
+        parts += [self._read_dataset(s, s.split, "task.dataset", problems) for s in sources]
         held_out = self._read(eval_files, "task.eval_paths", problems) if eval_files else []
+        for s in eval_sources:
+            held_out += self._read_dataset(s, s.split, "task.eval_dataset", problems)
+        for s in sources if eval_split else ():
+            held_out += self._read_dataset(s, eval_split, "task.eval_split", problems)
         if problems:
-            lines = [f"task: {len(problems)} problems in the prompt files:"]
+            where = "prompt files and datasets" if sources or eval_sources else "prompt files"
+            lines = [f"task: {len(problems)} problems in the {where}:"]
             lines += [f"  {p}" for p in problems[:MAX_LISTED_PROBLEMS]]
             if len(problems) > MAX_LISTED_PROBLEMS:
                 lines.append(f"  ... and {len(problems) - MAX_LISTED_PROBLEMS} more")
             raise UserError("\n".join(lines))
         if eval_fraction:
-            count = max(1, round(eval_fraction * len(train)))
-            if count >= len(train):
-                raise UserError(f"task.eval_fraction: holding out {count} of the {len(train)} prompts of "
-                                "task.paths leaves none to train on")
-            order = list(range(len(train)))
-            random.Random(f"rlcli-eval-split/{seed}").shuffle(order)
-            chosen = set(order[:count])
-            held_out = [p for i, p in enumerate(train) if i in chosen]
-            train = [p for i, p in enumerate(train) if i not in chosen]
-        self.train = train
+            splits = [_hold_out(part, eval_fraction, seed) for part in parts]
+            parts = [train for train, _ in splits]
+            held_out = [p for _, part in splits for p in part]
+        self.parts = parts
+        self.weights = [s.weight for s in sources] if sources else [1.0] * len(parts)
+        self.train = [p for part in parts for p in part]
         self.held_out = held_out
 
     @staticmethod
-    def training_problems(paths: Any, eval_paths: Any) -> list[str]:
-        """What keeps a task of these ``paths`` and ``eval_paths`` from being trained on: no prompt
-        files, or held-out files among them. Files that cannot be found are left to the task's build."""
+    def training_problems(paths: Any, eval_paths: Any, dataset: Any = None, mixture: Any = None,
+                          eval_split: Any = None) -> list[str]:
+        """What keeps a task of these keys from being trained on: no prompt files nor dataset, held-out
+        files among them, or ``eval_split`` a dataset's training split. Files that cannot be found are
+        left to the task's build."""
         try:
             patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
             files, eval_files = _files(patterns, "task.paths"), _files(eval_patterns, "task.eval_paths")
+            sources = _training_sources(dataset, mixture)
         except UserError:
             return []
-        if not files:
+        if not files and not sources:
             return [NO_PROMPT_FILES]
+        trained_on = [s for s in sources if s.split == eval_split]
+        if trained_on:
+            return [f"task.eval_split: {eval_split} is the training split of {trained_on[0].label(eval_split)}; "
+                    "held-out prompts must not be trained on"]
         both = {f.resolve() for f in files} & {f.resolve() for f in eval_files}
         if both:
             return [f"task.eval_paths: {sorted(map(str, both))[0]} is in task.paths too; "
@@ -240,7 +292,7 @@ class PromptsTask:
                         problems.append(str(record))
                         continue
                     try:
-                        prompts.append(self._prompt(record, source))
+                        prompts.append(self._prompt(self._extract_answer(record, source), source))
                     except RecordError as err:
                         problems.append(str(err))
             except DataError as err:
@@ -248,6 +300,31 @@ class PromptsTask:
         if not prompts and not problems:
             problems.append(f"{key}: {', '.join(map(str, files))} hold no records")
         return prompts
+
+    def _read_dataset(self, source: hf_datasets.DatasetSource, split: str, key: str,
+                      problems: list[str]) -> list[Prompt]:
+        """The prompts of the rows of ``split`` of ``source``; each bad row adds a line to ``problems``
+        (naming the dataset's column, not the role it plays)."""
+        prompts = []
+        for where, record in hf_datasets.dataset_rows(source, split, self.columns, key):
+            try:
+                prompts.append(self._prompt(self._extract_answer(record, where), where))
+            except RecordError as err:
+                problems.append(str(hf_datasets.renamed_error(err, self.columns)))
+        if not prompts and not problems:
+            problems.append(f"{key}: {source.label(split)} has no rows")
+        return prompts
+
+    def _extract_answer(self, record: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+        """``record`` with its answer replaced by ``answer_pattern``'s first group (stripped)."""
+        answer = record.get("answer")
+        if self.answer_pattern is None or not (isinstance(answer, str) or _is_number(answer)):
+            return record
+        found = self.answer_pattern.search(str(answer))
+        if found is None or found.group(1) is None:
+            shown = str(answer) if len(str(answer)) <= 80 else f"{str(answer)[:40]}...{str(answer)[-37:]}"
+            raise RecordError(source, "answer", f"{self.answer_pattern.pattern!r} does not match {shown!r}")
+        return {**record, "answer": found.group(1).strip()}
 
     def _prompt(self, record: Mapping[str, Any], source: str) -> Prompt:
         """The `Prompt` of one record; a `RecordError` naming ``source`` and the field if it is bad."""
@@ -289,35 +366,20 @@ class PromptsTask:
             raise RecordError(source, "prompt", f"the chat template fails on it: {err}") from None
 
     def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        """``n`` training prompts drawn with ``rng``: all different while ``n`` allows."""
+        """``n`` training prompts drawn with ``rng``: each one's dataset by weight, then all different
+        within a dataset while its count allows."""
         if not self.train:
             raise UserError(NO_PROMPT_FILES)
-        picks: list[int] = []
-        while len(picks) < n:
-            picks += rng.sample(range(len(self.train)), min(n - len(picks), len(self.train)))
-        return [self.train[i] for i in picks]
+        picks = hf_datasets.draw_mixture(rng, [len(part) for part in self.parts], self.weights, n)
+        return [self.parts[s][i] for s, i in picks]
 
     def eval_prompts(self) -> list[Prompt]:
         """The held-out prompts, in file order (empty without a held-out split)."""
         return list(self.held_out)
 
-    def _score_args(self, prompt: Prompt, completion_ids: Sequence[int]) -> tuple[str, dict]:
-        text = self.tokenizer.decode(completion_ids)
-        return text, {"answer": prompt.answer, "prompt": prompt.text, "fields": prompt.fields}
-
-    def reward(self, prompt: Prompt, completion_ids: Sequence[int]) -> float:
-        """The rewards' weighted sum on the completion's text (before eos, special tokens left out)."""
-        text, context = self._score_args(prompt, completion_ids)
-        return self.rewards.score(text, **context)
-
-    def is_correct(self, prompt: Prompt, completion_ids: Sequence[int]) -> bool:
-        text, context = self._score_args(prompt, completion_ids)
-        return self.rewards.is_correct(text, **context)
-
-    def reward_terms(self, prompt: Prompt, completion_ids: Sequence[int]) -> dict[str, float]:
-        """Each reward term's raw value on the completion, by name (``completions.jsonl``)."""
-        text, context = self._score_args(prompt, completion_ids)
-        return self.rewards.term_values(text, **context)
+    def score_batch(self, prompts: Sequence[Prompt], completion_ids: Sequence[Sequence[int]]) -> list[Score]:
+        """Each completion's `Score` from the rewards, on its text (before eos, special tokens left out)."""
+        return self.rewards.score_batch([self.tokenizer.decode(ids) for ids in completion_ids], prompts)
 
     @property
     def has_accuracy_term(self) -> bool:
@@ -328,6 +390,43 @@ class PromptsTask:
     def take_reward_stats(self) -> dict[str, float]:
         """``reward/<name>`` and ``reward_errors`` since the last call (`RewardSet.take_stats`)."""
         return self.rewards.take_stats()
+
+
+def _training_sources(dataset: Any, mixture: Any) -> list[hf_datasets.DatasetSource]:
+    """The datasets to train on: ``dataset``'s one or ``mixture``'s, not both."""
+    one = hf_datasets.parse_dataset(_plain(dataset), "task.dataset")
+    several = hf_datasets.parse_mixture(_plain(mixture))
+    if one and several:
+        raise UserError("task.mixture: give one dataset (task.dataset) or a mixture (task.mixture), not both")
+    return one or several
+
+
+def _answer_pattern(value: Any) -> re.Pattern | None:
+    """``task.answer_pattern`` compiled; it needs a group, the answer."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UserError(f"task.answer_pattern: must be a regex with a group, e.g. '#### (.+)', got {value!r}")
+    try:
+        pattern = re.compile(value)
+    except re.error as err:
+        raise UserError(f"task.answer_pattern: {value!r} is not a valid regex: {err}") from None
+    if pattern.groups < 1:
+        raise UserError(f"task.answer_pattern: {value!r} has no group; the first group is the answer, "
+                        "e.g. '#### (.+)'")
+    return pattern
+
+
+def _hold_out(prompts: list[Prompt], fraction: float, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """``(train, held_out)``: the fraction of ``prompts`` chosen by a shuffle seeded by ``seed`` held out."""
+    count = max(1, round(fraction * len(prompts)))
+    if count >= len(prompts):
+        raise UserError(f"task.eval_fraction: holding out {count} of the {len(prompts)} training prompts "
+                        "leaves none to train on")
+    order = list(range(len(prompts)))
+    random.Random(f"rlcli-eval-split/{seed}").shuffle(order)
+    chosen = set(order[:count])
+    return ([p for i, p in enumerate(prompts) if i not in chosen], [p for i, p in enumerate(prompts) if i in chosen])
 
 
 def _files(patterns: list[str], key: str) -> list[Path]:

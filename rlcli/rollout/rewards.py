@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.modules.registry import Registry
+from rlcli.rollout.tasks import Prompt, Score
 
 __all__ = ["DEFAULT_REWARDS", "METRICS", "REWARDS", "RewardSet", "RewardTerm", "build_rewards"]
 
@@ -210,8 +211,6 @@ class RewardSet:
     first reason; the run goes on.
     """
 
-    _MAX_REMEMBERED = 4096
-
     def __init__(self, terms: Sequence[RewardTerm]) -> None:
         if not terms:
             raise ValueError("a RewardSet needs at least one term")
@@ -222,11 +221,9 @@ class RewardSet:
         self._count = 0
         self._sums = [0.0] * len(self.terms)
         self._failures: dict[str, tuple[int, str]] = {}  # name -> (count, first reason)
-        self._remembered: dict[tuple, tuple[float, ...]] = {}  # the values of recent `score` calls
 
-    def _values(self, completion: str, answer: Any, prompt: str, fields: Mapping[str, Any]) -> tuple[list, dict]:
-        """Every term's value, and the reason of each failed one by name."""
-        context = {**fields, "answer": answer, "prompt": prompt}
+    def _values(self, completion: str, context: Mapping[str, Any]) -> tuple[list[float], dict[str, str]]:
+        """Every term's value on one completion, and the reason of each failed one by name."""
         values, failed = [], {}
         for term in self.terms:
             try:
@@ -239,38 +236,30 @@ class RewardSet:
             values.append(value)
         return values, failed
 
-    def _recent_values(self, completion: str, answer: Any, prompt: str, fields: Mapping[str, Any] | None) -> tuple:
-        """The values of a recent `score` of the same completion, else computed without recording."""
-        values = self._remembered.get((completion, repr(answer), prompt))
-        return values if values is not None else tuple(self._values(completion, answer, prompt, fields or {})[0])
-
-    def score(self, completion: str, *, answer: Any, prompt: str, fields: Mapping[str, Any] | None = None) -> float:
-        """The weighted sum of the terms on ``completion``, recorded for `take_stats`."""
-        values, failed = self._values(completion, answer, prompt, fields or {})
-        self._count += 1
-        self._sums = [total + value for total, value in zip(self._sums, values)]
-        for name, reason in failed.items():
-            count, first = self._failures.get(name, (0, reason))
-            self._failures[name] = (count + 1, first)
-        if len(self._remembered) >= self._MAX_REMEMBERED:
-            self._remembered.clear()
-        self._remembered[(completion, repr(answer), prompt)] = tuple(values)
-        return sum(term.weight * value for term, value in zip(self.terms, values))
-
-    def is_correct(self, completion: str, *, answer: Any, prompt: str, fields: Mapping[str, Any] | None = None) -> bool:
+    def _is_correct(self, values: Sequence[float]) -> bool:
         """Whether every correctness term (``exact_match``, ``math_verify``) scores 1; without one,
         whether every term reaches its best value (1, or 0 for ``length_penalty``): then, with
-        positive weights, the sum is its maximum. Reuses the values of a recent `score` of the
-        same completion, else computes them without recording."""
-        values = self._recent_values(completion, answer, prompt, fields)
+        positive weights, the sum is its maximum."""
         judged = [(t, v) for t, v in zip(self.terms, values) if t.decides] or list(zip(self.terms, values))
         return all(value >= term.best for term, value in judged)
 
-    def term_values(self, completion: str, *, answer: Any, prompt: str,
-                    fields: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """Each term's raw value by name (a failure as 0), as `is_correct` finds them."""
-        values = self._recent_values(completion, answer, prompt, fields)
-        return {term.name: value for term, value in zip(self.terms, values)}
+    def score_batch(self, completions: Sequence[str], prompts: Sequence[Prompt]) -> list[Score]:
+        """The `Score` of each completion's text against its prompt (``prompts[i]``: its ``answer``,
+        ``text`` and ``fields`` go to the terms as ``answer``, ``prompt`` and keywords): the weighted sum
+        of the terms, whether it is correct, and each term's raw value (a failure as 0), recorded for
+        `take_stats`."""
+        scores = []
+        for completion, prompt in zip(completions, prompts, strict=True):
+            values, failed = self._values(completion, {**prompt.fields, "answer": prompt.answer, "prompt": prompt.text})
+            self._count += 1
+            self._sums = [total + value for total, value in zip(self._sums, values)]
+            for name, reason in failed.items():
+                count, first = self._failures.get(name, (0, reason))
+                self._failures[name] = (count + 1, first)
+            scores.append(Score(reward=sum(term.weight * value for term, value in zip(self.terms, values)),
+                                correct=self._is_correct(values),
+                                terms={term.name: value for term, value in zip(self.terms, values)}))
+        return scores
 
     def take_stats(self) -> dict[str, float]:
         """``reward/<name>``: each term's mean raw value (unweighted, failures as 0) over the

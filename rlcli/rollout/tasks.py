@@ -9,16 +9,16 @@ A task is any object with (plug your own in with ``_target_``):
   only, so that a seeded ``rng`` gives the same prompts again;
 - ``reward(prompt: Prompt, completion_ids: list[int]) -> float`` in ``[0, 1]``: the completion
   as sampled (ending with ``eos_id`` if the sampler stopped there, cut at the token budget if not);
-- ``is_correct(prompt, completion_ids) -> bool``: the exact answer followed by ``eos_id``.
+- ``is_correct(prompt, completion_ids) -> bool``: the exact answer followed by ``eos_id``;
 
-and optionally:
+or, instead of those two, ``score_batch(prompts, completion_ids) -> list[Score]``: every completion of a
+batch scored at once (its prompt at the same index), for tasks whose rewards run elsewhere (a worker pool, a
+reward model); `score_completions` calls whichever the task has. And optionally:
 
 - ``eval_prompts() -> list[Prompt]``: a held-out split to evaluate on (``rlcli eval``, ``eval.every``),
   in a fixed order; without it, evaluation draws prompts with ``sample_prompts`` and a fixed seed;
 - ``take_reward_stats() -> dict[str, float]``: statistics of the rewards given since the last call
   (e.g. ``reward/<name>``), logged with each step's;
-- ``reward_terms(prompt, completion_ids) -> dict[str, float]``: the value of each term of the reward
-  on one completion, by name, shown in ``completions.jsonl`` (``rollout.log_completions``);
 - ``has_accuracy_term: bool``: the reward has a term that alone decides ``is_correct`` (then
   ``rollout.filter=zero_variance`` judges groups by accuracy by default, not by the reward);
 - ``OPTION_DOCS: dict[str, str]``, a class attribute: a one-line description of each keyword of its
@@ -41,6 +41,8 @@ __all__ = [
     "CharTokenizer",
     "Prompt",
     "ReverseTask",
+    "Score",
+    "score_completions",
     "sequence_reward",
 ]
 
@@ -91,6 +93,28 @@ class Prompt:
     ids: tuple[int, ...]
     answer: str | None
     fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One completion scored: its reward, whether it is correct, and the raw value of each term of the
+    reward by name (shown in ``completions.jsonl``; empty for a task whose reward has no terms)."""
+
+    reward: float
+    correct: bool
+    terms: Mapping[str, float] = field(default_factory=dict)
+
+
+def score_completions(task: Any, prompts: Sequence[Prompt], completion_ids: Sequence[Sequence[int]]) -> list[Score]:
+    """The `Score` of each completion (``completion_ids[i]`` answers ``prompts[i]``): the task's own
+    ``score_batch`` where it has one, else its ``reward`` and ``is_correct`` on each completion."""
+    if hasattr(task, "score_batch"):
+        scores = list(task.score_batch(prompts, completion_ids))
+        if len(scores) != len(completion_ids):
+            raise ValueError(f"{type(task).__name__}.score_batch returned {len(scores)} scores for "
+                             f"{len(completion_ids)} completions")
+        return scores
+    return [Score(float(task.reward(p, ids)), bool(task.is_correct(p, ids))) for p, ids in zip(prompts, completion_ids)]
 
 
 def sequence_reward(

@@ -113,9 +113,11 @@ def test_rewards_score_the_decoded_completion_with_the_record_fields(tmp_path, t
     eos, unused = hf_tokenizer.eos_token_id, len(hf_tokenizer) + 3  # a model row no token uses
     right = hf_tokenizer.encode("7") + [unused, eos] + hf_tokenizer.encode("8")  # cut at eos
     assert task.tokenizer.decode(right) == "7"
-    assert task.reward(prompt, right) == pytest.approx(1.0 + 3.0) and task.is_correct(prompt, right)
     wrong = hf_tokenizer.encode("8") + [eos]
-    assert task.reward(prompt, wrong) == pytest.approx(2.0) and not task.is_correct(prompt, wrong)
+    right_score, wrong_score = task.score_batch([prompt, prompt], [right, wrong])
+    assert right_score.reward == pytest.approx(1.0 + 3.0) and right_score.correct
+    assert wrong_score.reward == pytest.approx(2.0) and not wrong_score.correct
+    assert wrong_score.terms == {"math_verify": 0.0, "difficulty_reward": 2.0}
     stats = task.take_reward_stats()
     assert stats["reward/math_verify"] == pytest.approx(0.5) and stats["reward/difficulty_reward"] == 2.5
     assert task.take_reward_stats() == {}
@@ -125,7 +127,7 @@ def test_default_reward_is_math_verify(tmp_path, tokenizer_dir, hf_tokenizer):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "3+4=", "answer": "7"}])
     task = task_of(tokenizer_dir, [path])
     [prompt] = task.sample_prompts(random.Random(0), 1)
-    assert task.reward(prompt, hf_tokenizer.encode("so \\boxed{7}")) == 1.0
+    assert task.score_batch([prompt], [hf_tokenizer.encode("so \\boxed{7}")])[0].reward == 1.0
     assert list(task.take_reward_stats()) == ["reward/math_verify", "reward_errors"]
 
 

@@ -16,7 +16,7 @@ from rlcli.errors import UserError
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.rewards import DEFAULT_REWARDS, REWARDS, build_rewards
 from rlcli.rollout.sampler import Completion
-from rlcli.rollout.tasks import ReverseTask
+from rlcli.rollout.tasks import Prompt, ReverseTask
 
 
 def reward_of(name, completion, answer=None, **options):
@@ -24,8 +24,14 @@ def reward_of(name, completion, answer=None, **options):
     return REWARDS[name](**options)(completion, answer=answer, prompt="Q")
 
 
+def scored(rewards, completion, answer=None, **fields):
+    """The `Score` of one completion of a prompt "Q" with ``answer`` and ``fields``."""
+    (result,) = rewards.score_batch([completion], [Prompt(text="Q", ids=(1,), answer=answer, fields=fields)])
+    return result
+
+
 def score(rewards, completion, answer=None, **fields):
-    return rewards.score(completion, answer=answer, prompt="Q", fields=fields)
+    return scored(rewards, completion, answer, **fields).reward
 
 
 @pytest.mark.parametrize(
@@ -226,27 +232,29 @@ def test_a_failing_reward_scores_zero_and_is_counted_once_per_step(user_module, 
     assert rewards.take_stats() == {}
 
 
-def test_is_correct_by_the_correctness_terms():
+def test_correct_by_the_correctness_terms():
     rewards = build_rewards([{"name": "math_verify"}, {"name": "format"}])
-    assert rewards.is_correct(r"\boxed{4}", answer="4", prompt="Q")  # format is 0 but does not decide
-    assert not rewards.is_correct("<think>a</think><answer>5</answer>", answer="4", prompt="Q")
-    assert rewards.take_stats() == {}  # is_correct records nothing
+    right = scored(rewards, r"\boxed{4}", "4")
+    assert right.correct and right.terms == {"math_verify": 1.0, "format": 0.0}  # format does not decide
+    assert not scored(rewards, "<think>a</think><answer>5</answer>", "4").correct
 
 
-def test_is_correct_without_a_correctness_term_needs_every_best_value():
+def test_correct_without_a_correctness_term_needs_every_best_value():
     rewards = build_rewards([{"name": "regex", "pattern": "ok"}, {"name": "length_penalty", "max_chars": 4}])
-    assert rewards.is_correct("ok", answer=None, prompt="Q")
-    assert not rewards.is_correct("ok, longer", answer=None, prompt="Q")
-    assert not rewards.is_correct("no", answer=None, prompt="Q")
+    assert scored(rewards, "ok").correct
+    assert not scored(rewards, "ok, longer").correct
+    assert not scored(rewards, "no").correct
 
 
-def test_is_correct_reuses_the_values_of_score(user_module):
-    rewards = build_rewards([{"_target_": f"{user_module}.counted"}])
+def test_a_batch_calls_each_term_once_per_completion_in_order(user_module):
+    """Failing this means a completion was scored twice, skipped or paired with another's prompt."""
+    rewards = build_rewards([{"_target_": f"{user_module}.counted"}, {"_target_": f"{user_module}.with_field"}])
     calls = sys.modules[user_module].CALLS
-    score(rewards, "[1]", ["any", "answer"])
-    assert rewards.is_correct("[1]", answer=["any", "answer"], prompt="Q") and calls == ["[1]"]  # not again
-    assert rewards.is_correct("[2]", answer=None, prompt="Q") and calls == ["[1]", "[2]"]
-    assert rewards.take_stats() == {"reward/counted": 1.0, "reward_errors": 0.0}  # only score records
+    prompts = [Prompt(text="Q", ids=(1,), answer="a", fields={"source": s}) for s in ("book", "web", "book")]
+    scores = rewards.score_batch(["[1]", "[2]", "[3]"], prompts)
+    assert calls == ["[1]", "[2]", "[3]"]
+    assert [s.reward for s in scores] == [2.0, 1.0, 2.0] and [s.terms["with_field"] for s in scores] == [1, 0, 1]
+    assert rewards.take_stats() == {"reward/counted": 1.0, "reward/with_field": 2 / 3, "reward_errors": 0.0}
 
 
 def test_specs_may_be_omegaconf_nodes(user_module):
@@ -321,13 +329,8 @@ class TextTask(ReverseTask):
         super().__init__(min_len=2, max_len=2)
         self.rewards = build_rewards(specs)
 
-    def reward(self, prompt, completion_ids):
-        text = self.tokenizer.decode(completion_ids)
-        return self.rewards.score(text, answer=prompt.answer, prompt=prompt.text)
-
-    def is_correct(self, prompt, completion_ids):
-        text = self.tokenizer.decode(completion_ids)
-        return self.rewards.is_correct(text, answer=prompt.answer, prompt=prompt.text)
+    def score_batch(self, prompts, completion_ids):
+        return self.rewards.score_batch([self.tokenizer.decode(ids) for ids in completion_ids], prompts)
 
     def take_reward_stats(self):
         return self.rewards.take_stats()
