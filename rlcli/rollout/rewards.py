@@ -10,7 +10,12 @@ the decoded completion, the prompt record's ``answer`` and prompt text, and its 
 - a built-in's options go to its factory in `REWARDS`, which checks them and returns the function
   (adding a built-in is one factory registered with ``@REWARDS.register(name)``);
 - a ``_target_`` function is called as ``fn(completion, answer=..., prompt=..., **fields, **options)``,
-  keeping only the keywords it declares unless it takes ``**kwargs`` (an option wins over a field).
+  keeping only the keywords it declares unless it takes ``**kwargs`` (an option wins over a field);
+  with ``batched: true`` it takes the whole batch instead: ``fn(completions: list[str], answer=[...],
+  prompt=[...], **fields as lists)``, returning one value per completion.
+
+A value must be a finite real number: a raise, a string (even ``"1.0"``), a bool, NaN or infinity is a
+failure, which scores 0 and is counted (`RewardSet`).
 
 A term's name (``name``, else the target's last component) must be unique; its raw value is logged
 as ``reward/<name>``.
@@ -21,10 +26,11 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import numbers
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -194,13 +200,64 @@ _BEST = {"length_penalty": 0.0}  # a term's best value where it is not 1.0
 @dataclass(frozen=True)
 class RewardTerm:
     """One term of a `RewardSet`: ``weight * fn(...)``; ``best`` is its best value and ``decides``
-    says whether it alone decides correctness (see `RewardSet.is_correct`)."""
+    says whether it alone decides correctness (see `RewardSet.score_batch`). A ``batched`` term's ``fn``
+    takes the whole batch (the list of completions, and a list for each keyword) and returns a list of
+    values; an ``in_process`` one runs in the training process (a reward model on the trainer's device)."""
 
     name: str
     fn: RewardFn
     weight: float = 1.0
     best: float = 1.0
     decides: bool = False
+    batched: bool = False
+    in_process: bool = False
+
+
+def checked_value(value: Any) -> float:
+    """A reward function's value as a float; `ValueError` naming it when it is not a finite real number
+    (a string such as ``"1.0"`` and a bool are refused, not converted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"returned {value!r}, not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}")
+    return float(value)
+
+
+def term_values(term: RewardTerm, completions: Sequence[str], contexts: Sequence[Mapping[str, Any]]
+                ) -> list[tuple[float, str | None]]:
+    """``term``'s value on each completion with its context (the keywords of its call), and the reason where
+    it failed (the value is then 0): a raise, or a value that is not a finite number. A ``batched`` term is
+    called once with every keyword as a list (None where a context lacks it); its failure fails every
+    completion of the batch."""
+    if not term.batched:
+        return [_call(term.fn, completion, context) for completion, context in zip(completions, contexts)]
+    keys = dict.fromkeys(key for context in contexts for key in context)
+    try:
+        values = term.fn(list(completions), **{key: [c.get(key) for c in contexts] for key in keys})
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence) or len(values) != len(completions):
+            raise ValueError(f"returned {values!r:.80}, not a list of {len(completions)} values")
+    except Exception as err:
+        return [(0.0, _reason(err))] * len(completions)
+    return [_checked(value) for value in values]
+
+
+def _reason(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _checked(value: Any) -> tuple[float, str | None]:
+    try:
+        return checked_value(value), None
+    except ValueError as err:
+        return 0.0, _reason(err)
+
+
+def _call(fn: RewardFn, completion: str, context: Mapping[str, Any]) -> tuple[float, str | None]:
+    try:
+        value = fn(completion, **context)
+    except Exception as err:
+        return 0.0, _reason(err)
+    return _checked(value)
 
 
 class RewardSet:
@@ -222,20 +279,6 @@ class RewardSet:
         self._sums = [0.0] * len(self.terms)
         self._failures: dict[str, tuple[int, str]] = {}  # name -> (count, first reason)
 
-    def _values(self, completion: str, context: Mapping[str, Any]) -> tuple[list[float], dict[str, str]]:
-        """Every term's value on one completion, and the reason of each failed one by name."""
-        values, failed = [], {}
-        for term in self.terms:
-            try:
-                value = float(term.fn(completion, **context))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}")
-            except Exception as err:
-                failed[term.name] = f"{type(err).__name__}: {err}"
-                value = 0.0
-            values.append(value)
-        return values, failed
-
     def _is_correct(self, values: Sequence[float]) -> bool:
         """Whether every correctness term (``exact_match``, ``math_verify``) scores 1; without one,
         whether every term reaches its best value (1, or 0 for ``length_penalty``): then, with
@@ -248,14 +291,19 @@ class RewardSet:
         ``text`` and ``fields`` go to the terms as ``answer``, ``prompt`` and keywords): the weighted sum
         of the terms, whether it is correct, and each term's raw value (a failure as 0), recorded for
         `take_stats`."""
+        if len(completions) != len(prompts):
+            raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts")
+        contexts = [{**p.fields, "answer": p.answer, "prompt": p.text} for p in prompts]
+        columns = [term_values(term, completions, contexts) for term in self.terms]  # [term][completion]
         scores = []
-        for completion, prompt in zip(completions, prompts, strict=True):
-            values, failed = self._values(completion, {**prompt.fields, "answer": prompt.answer, "prompt": prompt.text})
+        for results in zip(*columns):  # one completion's (value, reason) of each term
+            values = [value for value, _ in results]
             self._count += 1
             self._sums = [total + value for total, value in zip(self._sums, values)]
-            for name, reason in failed.items():
-                count, first = self._failures.get(name, (0, reason))
-                self._failures[name] = (count + 1, first)
+            for term, (_, reason) in zip(self.terms, results):
+                if reason is not None:
+                    count, first = self._failures.get(term.name, (0, reason))
+                    self._failures[term.name] = (count + 1, first)
             scores.append(Score(reward=sum(term.weight * value for term, value in zip(self.terms, values)),
                                 correct=self._is_correct(values),
                                 terms={term.name: value for term, value in zip(self.terms, values)}))
@@ -355,7 +403,10 @@ def _build_term(spec: Any, path: str) -> RewardTerm:
         raise UserError(f"{path}.weight: must be a finite number, got {weight!r}")
     name, target = options.pop("name", None), options.pop("_target_", None)
     if target is not None:
-        return _target_term(target, name, options, path, float(weight))
+        batched = options.pop("batched", False)
+        if not isinstance(batched, bool):
+            raise UserError(f"{path}.batched: must be true or false, got {batched!r}")
+        return replace(_target_term(target, name, options, path, float(weight)), batched=batched)
     if name is None:
         raise UserError(f"{path}: give a name (one of {', '.join(REWARDS)}) or a _target_")
     return _builtin_term(name, options, path, float(weight))

@@ -186,6 +186,15 @@ def user_module(tmp_path, monkeypatch):
         def is_list(completion, *, items):
             return float(type(items) is list)
 
+        def typed(completion):
+            return {"str": "1.0", "bool": True, "none": None}.get(completion, 1)
+
+        def batch_lengths(completions, *, answer, scale=1.0):
+            return [scale * len(c) + (a is None) for c, a in zip(completions, answer)]
+
+        def batch_of_wrong_size(completions):
+            return [1.0]
+
         CALLS = []
 
         def counted(completion, **fields):
@@ -230,6 +239,25 @@ def test_a_failing_reward_scores_zero_and_is_counted_once_per_step(user_module, 
     assert score(rewards, "fine") == 2.0
     assert rewards.take_stats() == {"reward/regex": 0.0, "reward/fussy": 1.0, "reward_errors": 0.0}  # reset
     assert rewards.take_stats() == {}
+
+
+def test_only_finite_real_numbers_are_values(user_module):
+    """A string "1.0" or True converted to 1.0 would make this fail: they are failures scoring 0."""
+    rewards = build_rewards([{"_target_": f"{user_module}.typed"}])
+    assert [score(rewards, c) for c in ("str", "bool", "none", "int")] == [0.0, 0.0, 0.0, 1.0]
+    assert rewards.take_stats() == {"reward/typed": 0.25, "reward_errors": 3.0}
+
+
+def test_a_batched_target_gets_the_batch_as_lists(user_module):
+    rewards = build_rewards([{"_target_": f"{user_module}.batch_lengths", "batched": True, "scale": 2.0},
+                             {"_target_": f"{user_module}.batch_of_wrong_size", "batched": True}])
+    prompts = [Prompt(text="Q", ids=(1,), answer=a) for a in ("x", None, "y")]
+    scores = rewards.score_batch(["ab", "c", ""], prompts)
+    assert [s.terms["batch_lengths"] for s in scores] == [4.0, 3.0, 0.0]
+    assert [s.terms["batch_of_wrong_size"] for s in scores] == [0.0] * 3  # 1 value for 3: all fail
+    assert rewards.take_stats()["reward_errors"] == 3.0
+    with pytest.raises(UserError, match=r"^task\.rewards\[0\]\.batched: must be true or false"):
+        build_rewards([{"_target_": f"{user_module}.batch_lengths", "batched": "yes"}])
 
 
 def test_correct_by_the_correctness_terms():
