@@ -3,7 +3,8 @@ default as the YAML writes it, its bounds or choices and its one-line descriptio
 
 Each description lives in code, once: the schema's field metadata (`rlcli.conf.schema`), a loss
 class's option metadata (`rlcli.modules.losses`), a task class's ``OPTION_DOCS`` (`rlcli.rollout.tasks`)
-and `rlcli.rollout.vllm_engine.OPTION_DOCS` (through the schema's ``keys``). ``rlcli train --help``
+with ``OPTION_KEYS`` for the keys of an option that is a mapping (``task.dataset.path``), and
+`rlcli.rollout.vllm_engine.OPTION_DOCS` (through the schema's ``keys``). ``rlcli train --help``
 and the config reference page (``python -m tools.docgen``) both print these rows.
 """
 
@@ -122,8 +123,9 @@ def _field(value, hint, meta: dict, path: str, out: list[Row], allowed: tuple[st
 
 def _target_rows(node: dict, path: str, out: list[Row], allowed: tuple[str, ...]) -> None:
     """The keys of a node that builds an object: its ``_target_``'s keywords, described by the class's
-    ``OPTION_DOCS`` (imported only from a trusted module)."""
-    docs, hints = {}, {}
+    ``OPTION_DOCS``, and the keys of a mapping keyword by its ``OPTION_KEYS`` (imported only from a trusted
+    module)."""
+    docs, keys, hints = {}, {}, {}
     target = node.get("_target_")
     if isinstance(target, str) and is_trusted(target, allowed):
         from hydra.utils import get_object
@@ -131,6 +133,7 @@ def _target_rows(node: dict, path: str, out: list[Row], allowed: tuple[str, ...]
         try:
             built = get_object(target)
             docs = getattr(built, "OPTION_DOCS", {})
+            keys = getattr(built, "OPTION_KEYS", {})
             hints = typing.get_type_hints(built.__init__ if isinstance(built, type) else built)
         except Exception:  # an unimportable target: the run reports it; here its keys go undescribed
             pass
@@ -139,6 +142,8 @@ def _target_rows(node: dict, path: str, out: list[Row], allowed: tuple[str, ...]
             out.append(Row(f"{path}.{key}", type(value).__name__, _text(value), "", HYDRA_KEYS[key]))
         else:
             out.append(_leaf(f"{path}.{key}", value, hints.get(key, Any), {"doc": docs.get(key, "")}))
+            if key in keys and isinstance(value, dict):
+                out += [Row(f"{path}.{key}.{k}", "", _text(v), "", keys[key].get(k, "")) for k, v in value.items()]
 
 
 def _leaf(path: str, value, hint, meta: dict) -> Row:

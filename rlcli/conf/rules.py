@@ -313,7 +313,7 @@ def periodic_eval(cfg: TrainConfig, command: str) -> Iterator[str]:
 
 @rule("task", commands=TRAINING)
 def prompts_to_train_on(cfg: TrainConfig, command: str) -> Iterator[str]:
-    """A ``task=prompts`` run trains on prompt files, none of them held out (`PromptsTask.training_problems`)."""
+    """A ``task=prompts`` run trains on prompt files or datasets, none held out (`PromptsTask.training_problems`)."""
     import hydra.utils
 
     from rlcli.rollout.prompts import PromptsTask
@@ -325,7 +325,9 @@ def prompts_to_train_on(cfg: TrainConfig, command: str) -> Iterator[str]:
     except Exception:  # a function, or a target that does not import: building the task tells
         return
     if issubclass(cls, PromptsTask):
-        yield from PromptsTask.training_problems(cfg.task.get("paths"), cfg.task.get("eval_paths"))
+        yield from PromptsTask.training_problems(cfg.task.get("paths"), cfg.task.get("eval_paths"),
+                                                 cfg.task.get("dataset"), cfg.task.get("mixture"),
+                                                 cfg.task.get("eval_split"))
 
 
 @rule("data", commands=("sample",))

@@ -173,6 +173,8 @@ class PromptsTask:
         "rewards": "the reward terms and their weights, [{name: math_verify, weight: 1.0}, {_target_: my.fn}, ...]; "
                    "null: math_verify alone",
     }
+    OPTION_KEYS = {"dataset": hf_datasets.SOURCE_DOCS, "eval_dataset": hf_datasets.SOURCE_DOCS,
+                   "columns": hf_datasets.COLUMN_DOCS}
 
     def __init__(
         self,
