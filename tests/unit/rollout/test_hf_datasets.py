@@ -240,3 +240,11 @@ def test_training_problems_know_datasets_and_their_held_out_split():
     assert PromptsTask.training_problems([], [], {"path": "d", "split": "train"}, None, "train") == [
         "task.eval_split: train is the training split of dataset d split train; held-out prompts must not be "
         "trained on"]
+
+
+def test_an_eval_dataset_alone_is_all_rlcli_eval_needs(tmp_path, tokenizer_dir):
+    """No training data: the held-out prompts load (fails if the task demands prompts to train on)."""
+    path = save_dict(tmp_path / "gsm8k")
+    got = task(tokenizer_dir, eval_dataset={"path": str(path), "split": "test"}, columns=GSM8K,
+               answer_pattern="#### (.+)")
+    assert got.train == [] and [p.answer for p in got.eval_prompts()] == ["101", "102", "103"]
