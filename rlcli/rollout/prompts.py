@@ -144,7 +144,8 @@ class PromptsTask:
     ``answer_pattern`` a regex whose first group is the answer. ``tokenizer`` is a model directory (by
     default the model's, ``model.path``); ``chat_template``, ``system_prompt``: see the module.
     A prompt of more than ``max_prompt_tokens`` tokens is an error. ``rewards`` lists reward terms
-    (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone).
+    (`rlcli.rollout.rewards.build_rewards`); None: `DEFAULT_REWARDS` (``math_verify`` alone). They run in
+    ``reward_workers`` processes, each call at most ``reward_timeout`` seconds (`rlcli.rollout.reward_pool`).
     """
 
     OPTION_DOCS = {
@@ -172,6 +173,9 @@ class PromptsTask:
         "max_prompt_tokens": "the longest prompt in tokens; a longer one is an error naming its file:line",
         "rewards": "the reward terms and their weights, [{name: math_verify, weight: 1.0}, {_target_: my.fn}, ...]; "
                    "null: math_verify alone",
+        "reward_workers": "worker processes that run the reward functions, each call with a timeout; null: the "
+                          "cores (shared by a torchrun's processes); 0: in the training process, no timeout",
+        "reward_timeout": "seconds a reward call may take in a worker; then it scores 0, counted in reward_errors",
     }
     OPTION_KEYS = {"dataset": hf_datasets.SOURCE_DOCS, "eval_dataset": hf_datasets.SOURCE_DOCS,
                    "columns": hf_datasets.COLUMN_DOCS}
@@ -195,6 +199,8 @@ class PromptsTask:
         eval_split: str | None = None,
         columns: Any = None,
         answer_pattern: str | None = None,
+        reward_workers: int | None = None,
+        reward_timeout: float = 10.0,
     ) -> None:
         patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
         sources = _training_sources(dataset, mixture)
@@ -224,7 +230,8 @@ class PromptsTask:
         for key, value in (("chat_template", chat_template), ("system_prompt", system_prompt)):
             if value is not None and not (isinstance(value, str) and value):
                 raise UserError(f"task.{key}: must be a non-empty string or null, got {value!r}")
-        self.rewards = build_rewards(DEFAULT_REWARDS if rewards is None else _plain(rewards), key="task.rewards")
+        self.rewards = build_rewards(DEFAULT_REWARDS if rewards is None else _plain(rewards), key="task.rewards",
+                                     workers=reward_workers, timeout=reward_timeout)
         if tokenizer is None:
             raise UserError("task.tokenizer: task=prompts needs a tokenizer: give a Hugging Face model "
                             "(model=hf model.path=DIR), whose tokenizer it uses, or task.tokenizer=DIR")

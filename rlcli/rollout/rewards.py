@@ -12,7 +12,11 @@ the decoded completion, the prompt record's ``answer`` and prompt text, and its 
 - a ``_target_`` function is called as ``fn(completion, answer=..., prompt=..., **fields, **options)``,
   keeping only the keywords it declares unless it takes ``**kwargs`` (an option wins over a field);
   with ``batched: true`` it takes the whole batch instead: ``fn(completions: list[str], answer=[...],
-  prompt=[...], **fields as lists)``, returning one value per completion.
+  prompt=[...], **fields as lists)``, returning one value per completion. An ``async def`` function
+  (batched or not) is run to its end in an event loop of its own.
+
+The terms run in a pool of worker processes, each call with a timeout (`rlcli.rollout.reward_pool`;
+``workers`` and ``timeout`` of `build_rewards`), except ``in_process`` ones (a reward model).
 
 A value must be a finite real number: a raise, a string (even ``"1.0"``), a bool, NaN or infinity is a
 failure, which scores 0 and is counted (`RewardSet`).
@@ -23,6 +27,7 @@ as ``reward/<name>``.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -32,7 +37,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -40,6 +45,9 @@ from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.modules.registry import Registry
 from rlcli.rollout.tasks import Prompt, Score
+
+if TYPE_CHECKING:
+    from rlcli.rollout.reward_pool import RewardPool
 
 __all__ = ["DEFAULT_REWARDS", "METRICS", "REWARDS", "RewardSet", "RewardTerm", "build_rewards"]
 
@@ -265,13 +273,15 @@ class RewardSet:
 
     A term that raises, or returns a value that is not a finite number, is a failure: it scores 0
     for that completion, is counted in ``reward_errors`` and logged once per `take_stats` with its
-    first reason; the run goes on.
+    first reason; the run goes on. With a ``pool``, it runs the terms that are not ``in_process`` (a call
+    that times out or ends its worker fails the same way) while the others run here.
     """
 
-    def __init__(self, terms: Sequence[RewardTerm]) -> None:
+    def __init__(self, terms: Sequence[RewardTerm], pool: RewardPool | None = None) -> None:
         if not terms:
             raise ValueError("a RewardSet needs at least one term")
         self.terms = tuple(terms)
+        self.pool = pool  # runs the terms that are not in_process, in their order
         self._reset()
 
     def _reset(self) -> None:
@@ -294,7 +304,12 @@ class RewardSet:
         if len(completions) != len(prompts):
             raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts")
         contexts = [{**p.fields, "answer": p.answer, "prompt": p.text} for p in prompts]
-        columns = [term_values(term, completions, contexts) for term in self.terms]  # [term][completion]
+        pooled = self.pool.submit(completions, contexts) if self.pool is not None else None
+        columns = [term_values(term, completions, contexts) for term in self.terms
+                   if pooled is None or term.in_process]
+        if pooled is not None:  # the pool's columns back in the terms' order
+            inline, from_pool = iter(columns), iter(pooled())
+            columns = [next(inline) if term.in_process else next(from_pool) for term in self.terms]
         scores = []
         for results in zip(*columns):  # one completion's (value, reason) of each term
             values = [value for value, _ in results]
@@ -363,12 +378,15 @@ def _builtin_term(name: Any, options: dict, path: str, weight: float) -> RewardT
 
 
 def _bind_target(fn: Callable, options: dict, accepted: list[str] | None) -> RewardFn:
-    """``fn`` called with ``options`` and, of the context, only the keywords it declares."""
+    """``fn`` called with ``options`` and, of the context, only the keywords it declares; an ``async def``
+    one run to its end in an event loop of its own."""
+    is_async = inspect.iscoroutinefunction(fn)
 
     def reward(completion: str, **context: Any) -> float:
         if accepted is not None:
             context = {key: value for key, value in context.items() if key in accepted}
-        return fn(completion, **{**context, **options})
+        value = fn(completion, **{**context, **options})
+        return asyncio.run(value) if is_async else value
 
     return reward
 
@@ -412,9 +430,18 @@ def _build_term(spec: Any, path: str) -> RewardTerm:
     return _builtin_term(name, options, path, float(weight))
 
 
-def build_rewards(specs: Any, key: str = "task.rewards") -> RewardSet:
+def build_rewards(specs: Any, key: str = "task.rewards", *, workers: Any = 0, timeout: Any = 10.0) -> RewardSet:
     """The `RewardSet` of ``specs`` (a list of term mappings, see the module's docstring; OmegaConf
-    nodes are fine). Every problem is reported in one `UserError` naming its key path under ``key``."""
+    nodes are fine). Every problem is reported in one `UserError` naming its key path under ``key``.
+
+    The terms that are not ``in_process`` run in a pool of ``workers`` processes (``task.reward_workers``;
+    None: `default_workers`), each call stopped after ``timeout`` seconds (``task.reward_timeout``) and
+    scored 0 (`rlcli.rollout.reward_pool`); ``workers=0``: in this process, without a timeout."""
+    if workers is not None and not _is_count(workers):
+        raise UserError(f"task.reward_workers: must be an integer >= 0 (0: rewards run in the training process) "
+                        f"or null (the cores), got {workers!r}")
+    if not (_is_number(timeout) and math.isfinite(timeout) and timeout > 0):
+        raise UserError(f"task.reward_timeout: must be a number of seconds > 0, got {timeout!r}")
     if OmegaConf.is_config(specs):
         specs = OmegaConf.to_container(specs, resolve=True)
     if not isinstance(specs, Sequence) or isinstance(specs, str) or not specs:
@@ -436,4 +463,11 @@ def build_rewards(specs: Any, key: str = "task.rewards") -> RewardSet:
         if len(problems) > 1:
             problems = [f"{key}: {len(problems)} problems:", *(f"  - {p}" for p in problems)]
         raise UserError("\n".join(problems))
-    return RewardSet(terms)
+    pooled = [(spec, term.batched) for spec, term in zip(specs, terms) if not term.in_process]
+    if workers == 0 or not pooled:
+        return RewardSet(terms)
+    from rlcli.rollout.reward_pool import RewardPool, default_workers  # it builds its terms with this module
+
+    pool = RewardPool([spec for spec, _ in pooled], [batched for _, batched in pooled],
+                      workers=default_workers() if workers is None else workers, timeout=float(timeout))
+    return RewardSet(terms, pool)
