@@ -138,11 +138,9 @@ def dataset_rows(source: DatasetSource, split: str, columns: Mapping[str, str | 
 
 def renamed_error(err: RecordError, columns: Mapping[str, str | None]) -> RecordError:
     """``err`` naming the dataset's column (``question``) instead of the role it plays (``prompt``)."""
-    if err.field is None:
-        return err
-    role, _, rest = err.field.partition("[")
+    role, bracket, rest = (err.field or "").partition("[")
     column = columns.get(role)
-    return RecordError(err.source, f"{column}{'[' + rest if rest else ''}" if column else err.field, err.reason)
+    return RecordError(err.source, column + bracket + rest, err.reason) if column else err
 
 
 def _load(source: DatasetSource, split: str, key: str) -> Any:

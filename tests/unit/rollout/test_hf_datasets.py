@@ -248,3 +248,14 @@ def test_an_eval_dataset_alone_is_all_rlcli_eval_needs(tmp_path, tokenizer_dir):
     got = task(tokenizer_dir, eval_dataset={"path": str(path), "split": "test"}, columns=GSM8K,
                answer_pattern="#### (.+)")
     assert got.train == [] and [p.answer for p in got.eval_prompts()] == ["101", "102", "103"]
+
+
+def test_a_bad_chat_message_is_named_by_its_column_and_index(tmp_path, tokenizer_dir):
+    """Fails if the message names the role (``prompt[1].role``) rather than the dataset's column."""
+    messages = [[{"role": "user", "content": "1+1="}, {"role": "robot", "content": "hi"}]]
+    datasets.Dataset.from_dict({"messages": messages, "answer": ["2"]}).save_to_disk(str(tmp_path / "chat"))
+    with pytest.raises(UserError) as caught:
+        task(tokenizer_dir, dataset={"path": str(tmp_path / "chat")}, columns={"prompt": "messages"})
+    assert str(caught.value).splitlines()[1] == (
+        f"  dataset {tmp_path / 'chat'} split train row 0: field 'messages[1].role': must be one of system, user, "
+        "assistant, tool, got 'robot'")
