@@ -150,6 +150,10 @@ def _load(source: DatasetSource, split: str, key: str) -> Any:
     local = Path(source.path).expanduser()
     try:
         if local.is_dir() and any((local / marker).is_file() for marker in SAVED_MARKERS):
+            given = [k for k in ("name", "revision", "data_files") if getattr(source, k) is not None]
+            if given:
+                raise UserError(f"{key}.{given[0]}: {source.path} was written by save_to_disk, which has no "
+                                f"{given[0]} to choose; leave it null")
             saved = datasets.load_from_disk(str(local))
             if isinstance(saved, datasets.DatasetDict):
                 if split not in saved:

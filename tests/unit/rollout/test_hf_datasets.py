@@ -145,13 +145,16 @@ def test_a_missing_column_names_the_dataset_split_and_its_columns(tmp_path, toke
 
 
 def test_loading_failures_are_one_line_each(tmp_path, tokenizer_dir):
-    """An unknown split, a builder whose files are missing, and (offline) a Hub id: one line each, naming what."""
+    """An unknown split, a builder whose files are missing, data_files for a save_to_disk directory: one line
+    each, naming what."""
     path = save_dict(tmp_path / "gsm8k")
     cases = [
         ({"dataset": {"path": str(path), "split": "tset"}}, f"task.dataset: dataset {path} split tset: no such split"),
         ({"dataset": {"path": "json", "data_files": str(tmp_path / "missing.jsonl")}},
          "task.dataset: cannot load dataset json split train: "),
     ]
+    cases.append(({"dataset": {"path": str(path), "data_files": "x.parquet"}},
+                  f"task.dataset.data_files: {path} was written by save_to_disk, which has no data_files"))
     for options, start in cases:
         with pytest.raises(UserError) as caught:
             task(tokenizer_dir, columns=GSM8K, **options)
