@@ -113,6 +113,43 @@ def make_tiny_qwen2(directory: str | Path, vocab_size: int | None = None, *, hid
     return directory
 
 
+def make_tiny_reward_model(directory: str | Path, *, num_labels: int = 1, hidden_size: int = 32, seed: int = 0) -> Path:
+    """A tiny ``Qwen2ForSequenceClassification`` with random weights (seeded, the global RNG untouched) and
+    ``num_labels`` logits, saved in ``directory`` with the tokenizer of `make_tokenizer` (pad id set)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    directory = make_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        Qwen2ForSequenceClassification(config).save_pretrained(directory)
+    return directory
+
+
+def make_suffix_reward_model(directory: str | Path, endings: str, *, hidden_size: int = 16) -> Path:
+    """A ``Qwen2ForSequenceClassification`` (the tokenizer of `make_tokenizer`) whose score is +1 for a text that
+    ends with one of the characters ``endings`` and -1 for any other: no layers, so the head reads the RMS-normed
+    embedding of the last token, which is +/- the ones vector by whether that token's text ends so; the head
+    averages it (a weight of ``1 / hidden_size`` each)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    directory = make_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=0, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForSequenceClassification(config)
+    signs = [1.0 if tokenizer.decode([i]).endswith(tuple(endings)) else -1.0 for i in range(len(tokenizer))]
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.tensor(signs)[:, None].expand(-1, hidden_size))
+        model.score.weight.fill_(1.0 / hidden_size)
+    model.save_pretrained(directory)
+    return directory
+
+
 # Records and their files
 
 

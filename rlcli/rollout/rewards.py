@@ -201,8 +201,22 @@ def length_penalty_reward(*, max_chars: int, per_char: float = 0.001) -> RewardF
     return lambda completion, **_: per_char * min(0, max_chars - len(completion))
 
 
+@REWARDS.register("model")
+def model_reward(*, path: str, batch_size: int = 8, max_length: int | None = None, dtype: str | None = None,
+                 device: str | None = None, label: int | None = None, suffix: str = "",
+                 trust_remote_code: bool = False) -> RewardFn:
+    """A reward model's logit for prompt + completion: the Hugging Face sequence-classification model of the
+    directory ``path``, on the whole batch in the training process (`rlcli.rollout.reward_model`)."""
+    from rlcli.rollout.reward_model import RewardModel
+
+    return RewardModel(path, batch_size=batch_size, max_length=max_length, dtype=dtype, device=device, label=label,
+                       suffix=suffix, trust_remote_code=trust_remote_code)
+
+
 CORRECTNESS_REWARDS = frozenset({"exact_match", "math_verify"})
-_BEST = {"length_penalty": 0.0}  # a term's best value where it is not 1.0
+_BEST = {"length_penalty": 0.0, "model": math.inf}  # a term's best value where it is not 1.0 (a model's: none)
+BATCHED_REWARDS = frozenset({"model"})  # built-ins whose function takes the whole batch
+IN_PROCESS_REWARDS = frozenset({"model"})  # built-ins that run in the training process (on its device)
 
 
 @dataclass(frozen=True)
@@ -374,7 +388,8 @@ def _builtin_term(name: Any, options: dict, path: str, weight: float) -> RewardT
         fn = factory(**options)
     except _BadOption as err:
         raise UserError(f"{path}.{err.option}: {err}") from None
-    return RewardTerm(name, fn, weight, best=_BEST.get(name, 1.0), decides=name in CORRECTNESS_REWARDS)
+    return RewardTerm(name, fn, weight, best=_BEST.get(name, 1.0), decides=name in CORRECTNESS_REWARDS,
+                      batched=name in BATCHED_REWARDS, in_process=name in IN_PROCESS_REWARDS)
 
 
 def _bind_target(fn: Callable, options: dict, accepted: list[str] | None) -> RewardFn:
