@@ -128,9 +128,9 @@ def _load(path: Any, dtype: torch.dtype, device: torch.device, trust_remote_code
         model, info = AutoModelForSequenceClassification.from_pretrained(
             directory, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError, KeyError) as err:
+    except Exception as err:  # a broken file of the user's directory: config, weights (SafetensorError), tokenizer
         raise _BadOption("path", f"cannot load a sequence-classification model and its tokenizer from "
-                                 f"{directory}: {err}") from None
+                                 f"{directory}: {type(err).__name__}: {err}") from None
     missing = info["missing_keys"]
     _require(not missing, "path", f"{directory} lacks the weights {', '.join(sorted(missing)[:3])}: not a "
                                   "sequence-classification checkpoint (its head would be drawn at random)")
@@ -139,6 +139,7 @@ def _load(path: Any, dtype: torch.dtype, device: torch.device, trust_remote_code
     except (RuntimeError, AssertionError) as err:
         raise _BadOption("device", f"cannot put the model on {device}: {err}") from None
     model.eval().requires_grad_(False)
+    model.config.use_cache = False  # one forward per batch: no key/value cache to keep
     return model, tokenizer
 
 

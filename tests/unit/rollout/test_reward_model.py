@@ -4,6 +4,8 @@ invariance, left truncation, ``label``, a hand-built model with a known score, a
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -132,6 +134,16 @@ def test_a_causal_lm_is_no_reward_model(tmp_path):
     directory = make_tiny_qwen2(tmp_path / "policy")
     with pytest.raises(UserError, match=r"^task\.rewards\[0\]\.path: .* lacks the weights score\.weight"):
         build_rewards([{"name": "model", "path": str(directory)}])
+
+
+def test_broken_files_are_one_message_naming_the_key(tmp_path, reward_model):
+    """A weights file that is not safetensors raises SafetensorError, which is neither an OSError nor a ValueError."""
+    for name, text in (("model.safetensors", "garbage"), ("config.json", '{"model_type": "qwen2", ')):
+        directory = tmp_path / name
+        shutil.copytree(reward_model, directory)
+        (directory / name).write_text(text)
+        with pytest.raises(UserError, match=rf"^task\.rewards\[0\]\.path: cannot load .*{directory}: \w+"):
+            build_rewards([{"name": "model", "path": str(directory)}])
 
 
 def test_a_directory_without_a_tokenizer(tmp_path, reward_model):
