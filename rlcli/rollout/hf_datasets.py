@@ -163,13 +163,18 @@ def _load(source: DatasetSource, split: str, key: str) -> Any:
                 raise UserError(f"{key}: {source.label(split)}: {source.path} holds one Dataset, not splits; "
                                 "give the held-out prompts as task.eval_dataset")
             return saved
-        if not local.is_dir() and datasets.config.HF_HUB_OFFLINE and source.data_files is None:
-            raise UserError(f"{key}.path: {source.path} is not a local directory, and HF_HUB_OFFLINE is set, so "
-                            "it cannot come from the Hugging Face Hub; download it first or unset HF_HUB_OFFLINE")
         return datasets.load_dataset(source.path, source.name, split=split, revision=source.revision,
                                      data_files=_plain_files(source.data_files))
     except UserError:
         raise
+    except ConnectionError:  # not in the datasets cache either
+        if datasets.config.HF_HUB_OFFLINE:
+            reason = (f"{key}.path: {source.path} is not a local directory nor in the datasets cache, and "
+                      "HF_HUB_OFFLINE is set, so it cannot come from the Hugging Face Hub; download it first or "
+                      "unset HF_HUB_OFFLINE")
+        else:
+            reason = f"{key}: cannot load {source.label(split)}: the Hugging Face Hub cannot be reached"
+        raise UserError(reason) from None
     except Exception as err:  # datasets raises many kinds (FileNotFoundError, ValueError, DatasetNotFoundError)
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(f"{key}: cannot load {source.label(split)}: {first}") from None

@@ -171,8 +171,9 @@ def test_a_hub_id_offline_is_one_line_naming_it_and_hf_hub_offline(tmp_path, tok
     out = subprocess.run([sys.executable, "-c", code, str(tokenizer_dir)], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
     assert out.stdout.splitlines() == [
-        "task.dataset.path: openai/gsm8k is not a local directory, and HF_HUB_OFFLINE is set, so it cannot come "
-        "from the Hugging Face Hub; download it first or unset HF_HUB_OFFLINE"], out.stderr[-2000:]
+        "task.dataset.path: openai/gsm8k is not a local directory nor in the datasets cache, and HF_HUB_OFFLINE is "
+        "set, so it cannot come from the Hugging Face Hub; download it first or unset HF_HUB_OFFLINE"], \
+        out.stderr[-2000:]
 
 
 def mixture_task(tmp_path, tokenizer_dir, weights: tuple[float, float]) -> PromptsTask:
