@@ -113,19 +113,23 @@ def make_tiny_qwen2(directory: str | Path, vocab_size: int | None = None, *, hid
     return directory
 
 
-def make_tiny_reward_model(directory: str | Path, *, num_labels: int = 1, hidden_size: int = 32, seed: int = 0) -> Path:
-    """A tiny ``Qwen2ForSequenceClassification`` with random weights (seeded, the global RNG untouched) and
-    ``num_labels`` logits, saved in ``directory`` with the tokenizer of `make_tokenizer` (pad id set)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+def make_tiny_reward_model(directory: str | Path, *, num_labels: int = 1, architecture: str = "qwen2",
+                           hidden_size: int = 32, seed: int = 0) -> Path:
+    """A tiny sequence-classification model with random weights (seeded, the global RNG untouched) and
+    ``num_labels`` logits, saved in ``directory`` with the tokenizer of `make_tokenizer` (pad id set): a decoder
+    (``qwen2``: its head reads the last token that is not pad) or an encoder (``bert``: its head reads the first
+    token, which attends to every other, so padding without an attention mask would change its score)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, Qwen2Config
 
     directory = make_tokenizer(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id)
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
+             "num_labels": num_labels, "pad_token_id": tokenizer.pad_token_id}
+    configs = {"qwen2": lambda: Qwen2Config(**sizes, num_key_value_heads=2), "bert": lambda: BertConfig(**sizes)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        Qwen2ForSequenceClassification(config).save_pretrained(directory)
+        AutoModelForSequenceClassification.from_config(configs[architecture]()).save_pretrained(directory)
     return directory
 
 

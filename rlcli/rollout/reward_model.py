@@ -8,8 +8,8 @@ completion, a batch at a time, in the training process (``task.rewards=[{name: m
 - Forward: ``batch_size`` sequences at a time, longest first, padded on the right with the model's pad id
   (from its config, else its tokenizer's), with an attention mask, in eval mode under
   ``torch.inference_mode``, in ``dtype`` on ``device``.
-- Value: the logit of ``label`` that the model's own head gives the sequence (the head of Hugging Face's
-  decoder models reads the last token that is not the pad token), as a float.
+- Value: the logit of ``label`` that the model's own head gives the sequence (a decoder's reads the last
+  token that is not the pad token, an encoder's such as BERT's the first), as a float.
 
 The model is loaded once, when the task is built; every problem with the directory or an option is then
 a `UserError` naming ``task.rewards[i].<option>``.

@@ -25,6 +25,12 @@ def reward_model(tmp_path_factory):
     return make_tiny_reward_model(tmp_path_factory.mktemp("rm"))
 
 
+@pytest.fixture(scope="module", params=["qwen2", "bert"])
+def any_reward_model(request, tmp_path_factory):
+    """A decoder, and an encoder whose score padding would change without the attention mask."""
+    return make_tiny_reward_model(tmp_path_factory.mktemp(request.param), architecture=request.param)
+
+
 def prompts(texts=PROMPTS) -> list[Prompt]:
     return [Prompt(text=t, ids=(1,), answer=None) for t in texts]
 
@@ -47,20 +53,20 @@ def reference(directory, texts, label=0, keep=None) -> list[float]:
     return out
 
 
-def test_the_value_is_the_models_logit_on_prompt_plus_completion(reward_model):
+def test_the_value_is_the_models_logit_on_prompt_plus_completion(any_reward_model):
     """Fails if the prompt is left out, the completion is paired with another prompt, a pad token is read, or the
     batch's padding leaks into a shorter sequence's score."""
-    expected = reference(reward_model, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
-    assert values(reward_model, batch_size=4) == pytest.approx(expected, abs=1e-5)
+    expected = reference(any_reward_model, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    assert values(any_reward_model, batch_size=4) == pytest.approx(expected, abs=1e-5)
     assert len(set(expected)) == len(expected)  # distinct scores: a mix-up of rows would show
 
 
-def test_batch_size_does_not_change_the_values(reward_model):
+def test_batch_size_does_not_change_the_values(any_reward_model):
     """A sequence scored alone (batch_size 1, no padding) equals it scored in a padded batch (its width the
     longest's), to float32 rounding."""
-    alone = values(reward_model, batch_size=1)
+    alone = values(any_reward_model, batch_size=1)
     for batch_size in (2, 3, 8):
-        assert values(reward_model, batch_size=batch_size) == pytest.approx(alone, abs=1e-6)
+        assert values(any_reward_model, batch_size=batch_size) == pytest.approx(alone, abs=1e-6)
 
 
 def test_suffix_and_left_truncation(reward_model):
