@@ -59,6 +59,7 @@ def test_a_gsm8k_shaped_dataset_trains_and_rlcli_eval_evaluates_its_test_split(a
     assert report["prompts"] == 4
 
 
+@pytest.mark.slow
 def test_a_hub_id_offline_is_one_line_and_exit_2(assets, tmp_path):
     result = run_rlcli(["train", "model=hf", f"model.path={assets['model']}", *GSM8K,
                         "task.dataset.path=openai/gsm8k", "task.dataset.name=main", "hydra.run.dir=run"], tmp_path)

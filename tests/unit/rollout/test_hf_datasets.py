@@ -161,6 +161,7 @@ def test_loading_failures_are_one_line_each(tmp_path, tokenizer_dir):
         assert str(caught.value).startswith(start) and "\n" not in str(caught.value), str(caught.value)
 
 
+@pytest.mark.slow
 def test_a_hub_id_offline_is_one_line_naming_it_and_hf_hub_offline(tmp_path, tokenizer_dir):
     """In a fresh process with HF_HUB_OFFLINE=1 (``datasets`` reads it at import): the message names the id and
     HF_HUB_OFFLINE, and nothing is downloaded."""
