@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from factories import make_suffix_reward_model, make_tiny_qwen2, make_tiny_reward_model
@@ -172,3 +173,50 @@ def test_beside_pooled_terms_the_model_stays_in_the_training_process(reward_mode
     expected = reference(reward_model, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
     assert [s.terms["model"] for s in scores] == pytest.approx(expected, abs=1e-5)
     assert [s.terms["regex"] for s in scores] == [1.0, 1.0, 0.0, 0.0]
+
+
+def _with_tokenizer(source, directory, edit):
+    """A copy of the model directory ``source`` whose tokenizer ``edit`` changed."""
+    shutil.copytree(source, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    edit(tokenizer)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_a_bos_the_prompt_already_starts_with_is_not_doubled(tmp_path, reward_model):
+    """A tokenizer that adds a BOS (as Llama's does) to a prompt whose chat template wrote one: a single BOS."""
+    def add_bos(tokenizer):
+        bos = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        tokenizer._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                                 special_tokens=[("<|im_start|>", bos)])
+        tokenizer.bos_token = "<|im_start|>"
+
+    directory = _with_tokenizer(reward_model, tmp_path / "bos", add_bos)
+    (term,) = build_rewards([{"name": "model", "path": str(directory)}]).terms
+    plain = AutoTokenizer.from_pretrained(directory)
+    bos = plain.bos_token_id
+    ids = term.fn.token_ids(PROMPTS, COMPLETIONS)
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
+    expected = [plain(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert ids == [e if e[0] == bos else [bos, *e] for e in expected]
+    assert [i[:2].count(bos) for i in ids] == [1, 1, 1, 1]
+
+
+def test_a_model_without_a_pad_id_takes_its_tokenizers_or_scores_one_at_a_time(tmp_path, reward_model):
+    """Without the tokenizer's pad id a batch of several could not tell padding from tokens: batch_size 1 only."""
+    no_config_pad = tmp_path / "no-config-pad"
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model)
+    model.config.pad_token_id = None
+    model.save_pretrained(no_config_pad)
+    AutoTokenizer.from_pretrained(reward_model).save_pretrained(no_config_pad)
+    expected = reference(reward_model, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    assert values(no_config_pad, batch_size=4) == pytest.approx(expected, abs=1e-5)
+
+    def drop_pad(tokenizer):
+        tokenizer.pad_token = None
+
+    no_pad = _with_tokenizer(no_config_pad, tmp_path / "no-pad", drop_pad)
+    with pytest.raises(UserError, match=r"^task\.rewards\[0\]\.path: the model has no pad token .* batch_size: 1"):
+        values(no_pad, batch_size=2)
+    assert values(no_pad, batch_size=1) == pytest.approx(expected, abs=1e-5)
