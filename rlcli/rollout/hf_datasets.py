@@ -57,12 +57,12 @@ class DatasetSource:
         return f"dataset {self.path}{f' ({self.name})' if self.name else ''} split {split}"
 
 
-def parse_dataset(value: Any, key: str) -> list[DatasetSource]:
-    """The source of ``value``, a mapping: none for None or a path of null."""
+def parse_dataset(value: Any, key: str, split: str = "train") -> list[DatasetSource]:
+    """The source of ``value``, a mapping (``split`` when it names none): none for None or a path of null."""
     if value is None or (isinstance(value, Mapping) and value.get("path") is None):
         return []
     if isinstance(value, Mapping):
-        return [_source(value, key, weighted=False)]
+        return [_source(value, key, weighted=False, split=split)]
     raise UserError(f"{key}: must be one dataset {{path: ..., split: ...}} (a mixture of several is "
                     f"task.mixture), got {value!r}")
 
@@ -76,7 +76,7 @@ def parse_mixture(value: Any) -> list[DatasetSource]:
     return [_source(item, f"task.mixture[{i}]", weighted=True) for i, item in enumerate(value)]
 
 
-def _source(value: Any, key: str, *, weighted: bool) -> DatasetSource:
+def _source(value: Any, key: str, *, weighted: bool, split: str = "train") -> DatasetSource:
     if not isinstance(value, Mapping):
         raise UserError(f"{key}: must be a dataset {{path: ..., weight: ...}}, got {value!r}")
     unknown = sorted(set(value) - set(SOURCE_KEYS))
@@ -94,7 +94,7 @@ def _source(value: Any, key: str, *, weighted: bool) -> DatasetSource:
     weight = 1.0 if weight is None else weight
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
         raise UserError(f"{key}.weight: must be a number > 0, got {weight!r}")
-    return DatasetSource(path=value["path"], name=value.get("name"), split=value.get("split") or "train",
+    return DatasetSource(path=value["path"], name=value.get("name"), split=value.get("split") or split,
                          revision=value.get("revision"), data_files=value.get("data_files"), weight=float(weight))
 
 

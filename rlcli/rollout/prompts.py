@@ -204,7 +204,7 @@ class PromptsTask:
     ) -> None:
         patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
         sources = _training_sources(dataset, mixture)
-        eval_sources = hf_datasets.parse_dataset(_plain(eval_dataset), "task.eval_dataset")
+        eval_sources = hf_datasets.parse_dataset(_plain(eval_dataset), "task.eval_dataset", split="test")
         if patterns and sources:
             raise UserError("task.paths: give the training prompts either as files (task.paths) or as "
                             "datasets (task.dataset, or task.mixture), not both")

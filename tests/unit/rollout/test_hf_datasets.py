@@ -250,7 +250,7 @@ def test_training_problems_know_datasets_and_their_held_out_split():
 def test_an_eval_dataset_alone_is_all_rlcli_eval_needs(tmp_path, tokenizer_dir):
     """No training data: the held-out prompts load (fails if the task demands prompts to train on)."""
     path = save_dict(tmp_path / "gsm8k")
-    got = task(tokenizer_dir, eval_dataset={"path": str(path), "split": "test"}, columns=GSM8K,
+    got = task(tokenizer_dir, eval_dataset={"path": str(path)}, columns=GSM8K,  # its split: test by default
                answer_pattern="#### (.+)")
     assert got.train == [] and [p.answer for p in got.eval_prompts()] == ["101", "102", "103"]
 
