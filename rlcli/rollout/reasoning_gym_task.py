@@ -11,7 +11,8 @@ a training draw whose question is a held-out one is skipped, so training never s
 The prompt is the entry's question as a user message after ``system_prompt`` (reasoning-gym's
 ``SYSTEM_PROMPTS["default"]``, which asks for ``<answer>...</answer>``), through the model's chat
 template. The reward is `reasoning_gym_score`, a term of a `RewardSet`: the entry's dataset's
-``score_answer`` of the answer in the completion's last ``<answer>`` tags (``extract_answer``).
+``score_answer`` of the answer in the completion's last ``<answer>`` tags (``extract_answer``), run in the
+reward worker pool (``reward_workers``, ``reward_timeout``: `rlcli.rollout.reward_pool`) like any term.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class ReasoningGymTask:
         "chat_template": "a Jinja chat template; null: the tokenizer's",
         "system_prompt": "the system message before each question; null: reasoning-gym's default, which asks for "
                          "<answer>...</answer>; '': none",
+        "reward_workers": "worker processes that run the scorer, each call with a timeout; null: the cores (shared "
+                          "by a torchrun's processes); 0: in the training process, no timeout",
+        "reward_timeout": "seconds a scorer call may take in a worker; then it scores 0, counted in reward_errors",
     }
 
     def __init__(
@@ -108,6 +112,8 @@ class ReasoningGymTask:
         trust_remote_code: bool = False,
         chat_template: str | None = None,
         system_prompt: str | None = None,
+        reward_workers: int | None = None,
+        reward_timeout: float = 10.0,
     ) -> None:
         rg = _reasoning_gym()
         from reasoning_gym.utils import SYSTEM_PROMPTS
@@ -122,7 +128,8 @@ class ReasoningGymTask:
         self.configs, self.weights = _check_datasets(_plain(datasets), rg)
         self.names = list(self.configs)
         self.rewards = build_rewards([{"_target_": f"{__name__}.reasoning_gym_score", "name": TERM,
-                                       "configs": self.configs}], key="task.datasets")
+                                       "configs": self.configs}], key="task.datasets",
+                                     workers=reward_workers, timeout=reward_timeout)
         if tokenizer is None:
             raise UserError("task.tokenizer: task=reasoning_gym needs a tokenizer: give a Hugging Face model "
                             "(model=hf model.path=DIR), whose tokenizer it uses, or task.tokenizer=DIR")

@@ -111,14 +111,17 @@ def test_the_prompt_is_the_question_after_the_system_prompt_through_the_chat_tem
     assert own.text == f"[system] {SYSTEM_PROMPTS['default']}\n[user] {question}\nA:"
 
 
-def test_the_reward_is_reasoning_gyms_score_of_the_answer_in_tags(tokenizer_dir):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_reward_is_reasoning_gyms_score_of_the_answer_in_tags(tokenizer_dir, workers):
     """Each completion scores what reasoning-gym's own ``score_answer`` gives the text in its last
     ``<answer>`` tags (called here); the right answer scores 1 and is correct, a partly right one its partial
     credit and is not, a wrong one 0, the right answer without tags 0. ``reward/<dataset>`` is each
-    dataset's mean, ``reward/reasoning_gym`` the mean of all. Fails if the scorer, the extraction or the
-    per-dataset means were wrong."""
+    dataset's mean, ``reward/reasoning_gym`` the mean of all. The same in the training process and in a
+    worker of the reward pool (which rebuilds the term from its spec). Fails if the scorer, the extraction
+    or the per-dataset means were wrong, or the term could not run in a worker."""
     mixed = task(tokenizer_dir, {"spell_backward": {"weight": 1},
-                                 "basic_arithmetic": {"weight": 1, "config": SMALL_SUMS}}, eval_size=2)
+                                 "basic_arithmetic": {"weight": 1, "config": SMALL_SUMS}}, eval_size=2,
+                 reward_workers=workers)
     spell, _, sums, _ = mixed.eval_prompts()
     word, total = spell.answer, sums.answer
     cases = [  # (prompt, completion)
@@ -150,7 +153,8 @@ def test_the_reward_is_reasoning_gyms_score_of_the_answer_in_tags(tokenizer_dir)
 
 
 def test_a_step_that_drew_one_dataset_logs_only_its_column(tokenizer_dir):
-    mixed = task(tokenizer_dir, {"spell_backward": {"weight": 1}, "basic_arithmetic": {"weight": 1}}, eval_size=1)
+    mixed = task(tokenizer_dir, {"spell_backward": {"weight": 1}, "basic_arithmetic": {"weight": 1}}, eval_size=1,
+                 reward_workers=0)
     spell = mixed.eval_prompts()[0]
     mixed.score_batch([spell], [mixed.tokenizer.encode(f"<answer>{spell.answer}</answer>")])
     stats = mixed.take_reward_stats()
