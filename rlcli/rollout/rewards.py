@@ -60,7 +60,8 @@ METRICS = {
     "reward/<name>": Metric("task=prompts (a task with `take_reward_stats`)", "each reward term's mean raw value "
                             "(unweighted, a failure as 0) over the step's completions; one column per term"),
     "reward_errors": Metric("task=prompts (a task with `take_reward_stats`)", "failures of reward terms (a raise, "
-                            "or a value that is not a finite number; scored 0) on the step's completions"),
+                            "a value that is not a finite number, a call past task.reward_timeout or whose worker "
+                            "died; scored 0) on the step's completions"),
 }
 
 DEFAULT_REWARDS: tuple[dict[str, Any], ...] = ({"name": "math_verify"},)
