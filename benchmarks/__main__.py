@@ -19,6 +19,8 @@ its own options: ``python -m benchmarks.NAME --help``.
 * ``vllm_sampling``: generated tokens per second of rlcli's HFSampler against the VLLMSampler on a tiny
   and a 58M-parameter Llama, the vLLM engine's weight sync (from parameters, from a checkpoint) and
   start time (needs vLLM; skipped when it is not installed).
+* ``reward_pool``: seconds per completion of the rewards inline against the reward worker pool (a trivial reward
+  and math_verify), and the seconds a ``task=prompts`` step takes inline and with the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from benchmarks import (
     live_loop,
     lm_head,
     loss_terms,
+    reward_pool,
     stream_queue,
     throughput,
     vllm_sampling,
@@ -85,9 +88,13 @@ def _vllm_sampling(device: str, json_path: Path | None):
     return vllm_sampling.main(argv + (["--json", str(json_path)] if json_path else []))
 
 
+def _reward_pool(device: str, json_path: Path | None):
+    return reward_pool.main(["--json", str(json_path)] if json_path else [])
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
               "loss_terms": _loss_terms, "dynamic_sampling": _dynamic_sampling, "stream_queue": _stream_queue,
-              "live_loop": _live_loop, "vllm_sampling": _vllm_sampling}
+              "live_loop": _live_loop, "vllm_sampling": _vllm_sampling, "reward_pool": _reward_pool}
 
 
 def main(argv: list[str] | None = None) -> dict:
