@@ -42,10 +42,11 @@ SECTIONS = (
             "teacher's log-prob, `prox` the trainer's own.",
             ("rlcli.training.distill",)),
     Section("Prompt tasks",
-            "With `task=prompts` (and `data=generate`): the task's statistics of the completions it scored for the "
-            "step, each process's, then the mean over processes. The reward is "
-            "[the weighted sum of the terms](../concepts/math.md#rewards-and-passk) of `task.rewards`.",
-            ("rlcli.rollout.rewards",)),
+            "With `task=prompts` or `task=reasoning_gym` (and `data=generate`): the task's statistics of the "
+            "completions it scored for the step, each process's, then the mean over processes. The reward is "
+            "[the weighted sum of the terms](../concepts/math.md#rewards-and-passk) of `task.rewards`; for "
+            "`task=reasoning_gym`, one term `reasoning_gym`: reasoning-gym's score.",
+            ("rlcli.rollout.rewards", "rlcli.rollout.reasoning_gym_task")),
     Section("Live loop",
             "With `data=stream`. The staleness, queue and reward values are over the step's documents on every "
             "process, so every process logs the same ([the live loop's bookkeeping]"
