@@ -281,6 +281,6 @@ class OnPolicyRollouts:
     def _completion_line(self, c: _Sampled, advantage: float) -> dict:
         decode = self.task.tokenizer.decode
         terms = dict(c.terms) if c.overlong is None else {**c.terms, "overlong": c.overlong}
-        return text_row(prompt=decode(c.prompt.ids), completion=decode(c.completion.ids), rewards=terms,
+        return text_row(prompt=c.prompt.text, completion=decode(c.completion.ids), rewards=terms,
                         reward=c.reward, advantage=advantage, length=len(c.completion.ids),
                         stopped=c.completion.stopped, group_id=c.group_id)

@@ -100,6 +100,23 @@ def test_the_injected_sampler_generates():
     assert stats == pytest.approx(dict(reward=0.2, accuracy=0.0, completion_length=8 / 3, stopped_fraction=2 / 3))
 
 
+class ChatLikeTask(ReverseTask):
+    """Prompts whose ids hold the eos id before their end, as a chat template's end of turn does."""
+
+    def sample_prompts(self, rng, n):
+        return [dataclasses.replace(p, text=f"[system]<eos>{p.text}", ids=(EOS, *p.ids))
+                for p in super().sample_prompts(rng, n)]
+
+
+def test_completion_lines_show_the_prompt_text_whole():
+    """Decoding the prompt's ids stops at their eos, so the line showed only the turns before it."""
+    rollouts = OnPolicyRollouts(ChatLikeTask(min_len=2, max_len=2), FixedSampler(), prompts_per_step=2, group_size=3,
+                                max_new_tokens=5, eps=EPS)
+    docs, _, lines = rollouts.generate_logged(step=0, log_completions=2)
+    decode = rollouts.task.tokenizer.decode
+    assert [line["prompt"] for line in lines] == [f"[system]<eos>{decode(docs[i].prompt_ids[1:])}" for i in (0, 3)]
+
+
 def test_advantages_use_the_given_eps():
     docs, _ = fixed_rollouts(eps=0.5).generate(step=0)
     assert [d.advantages[0] for d in docs] == pytest.approx(grpo_reference([0.4, 0.2, 0.0], 0.5) * 2, rel=1e-12)
