@@ -29,8 +29,8 @@ def pick(group_ids: Sequence[Hashable | None], n: int) -> list[int]:
 
 def text_row(*, prompt: str, completion: str, rewards: dict[str, float], reward: float, advantage: float,
              length: int, stopped: bool, group_id: str) -> dict[str, Any]:
-    """One line for a sampled rollout: the ``prompt``'s text and the decoded ``completion``, each reward term's raw value
-    (``{}`` for a task without terms), the reward, the advantage, the completion's tokens and whether
+    """One line for a sampled rollout: the ``prompt``'s text and the decoded ``completion``, each reward
+    term's raw value (``{}`` for a task without terms), the reward, the advantage, the completion's tokens and whether
     it ended with a stop token."""
     return {"prompt": prompt, "completion": completion, "rewards": rewards, "reward": reward,
             "advantage": advantage, "length": length, "stopped": stopped, "group_id": group_id}
