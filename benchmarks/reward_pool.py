@@ -6,27 +6,32 @@
 The default run (``task=reverse``) scores in token space without `RewardSet`, so the pool does not touch it;
 ``task=prompts`` is the run whose speed it can change. Its runs train a tiny random Qwen2 (tests/factories.py)
 on generated sums with math_verify, 8 prompts x 8 completions a step, and take turns inline / pool; the time of
-a step is read from when each metrics.csv row appears (the start-up left out).
+a step is the difference of the wall times of a run of ``--steps`` steps and one of 5, divided by the
+difference of their steps (so the start-up common to both drops out; metrics.csv has no time column),
+after an untimed warm-up run.
 
-    python -m benchmarks.reward_pool [--completions 512] [--rounds 5] [--steps 20] [--runs 2] [--json PATH]
+    python -m benchmarks.reward_pool [--completions 512] [--rounds 5] [--steps 105] [--runs 2] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.live_loop import timed_rows
 from benchmarks.output import report
 from rlcli.rollout.reward_pool import default_workers
 from rlcli.rollout.rewards import build_rewards
 from rlcli.rollout.tasks import Prompt
 from tests.factories import make_arithmetic_dataset, make_tiny_qwen2
 
+SHORT_RUN = 5  # steps of the run whose wall time is subtracted
 REWARDS = {"exact_match": [{"name": "exact_match"}], "math_verify": [{"name": "math_verify"}]}
 
 
@@ -60,17 +65,29 @@ def per_completion(reward: str, workers: list[int], completions: list[str], prom
     return {w: statistics.median(s) for w, s in seconds.items()}
 
 
+def wall_seconds(argv: list[str], run_dir: Path) -> float:
+    """Wall time of ``rlcli ARGV`` (start-up included)."""
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "rlcli", *argv, f"hydra.run.dir={run_dir}"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
 def step_seconds(steps: int, runs: int, tmp: Path) -> dict[str, list[float]]:
-    """Seconds per step of ``task=prompts`` runs, inline and with the pool in turns, ``runs`` of each."""
+    """Seconds per step of ``task=prompts`` runs, inline and with the pool in turns, ``runs`` of each: the wall
+    time of ``steps`` steps less that of `SHORT_RUN` steps, over the steps between."""
     model = make_tiny_qwen2(tmp / "model")
     data = make_arithmetic_dataset(tmp / "train.jsonl", 200, seed=1)
     common = ["train", "model=hf", f"model.path={model}", "task=prompts", f"task.paths=[{data}]",
-              "rollout.filter=none", "rollout.max_new_tokens=16", f"trainer.max_steps={steps}", "logger=none"]
+              "rollout.filter=none", "rollout.max_new_tokens=16", "logger=none"]
     seconds: dict[str, list[float]] = {"inline": [], "pool": []}
+    wall_seconds([*common, f"trainer.max_steps={SHORT_RUN}"], tmp / "warm-up")  # the first run is slower
     for run in range(runs):
         for name, workers in (("inline", 0), ("pool", "null")):
-            rows, _ = timed_rows([*common, f"task.reward_workers={workers}"], tmp / f"{name}-{run}")
-            seconds[name].append((rows[-1][0] - rows[0][0]) / (len(rows) - 1))
+            wall = {n: wall_seconds([*common, f"trainer.max_steps={n}", f"task.reward_workers={workers}"],
+                                    tmp / f"{name}-{run}-{n}") for n in (SHORT_RUN, steps)}
+            seconds[name].append((wall[steps] - wall[SHORT_RUN]) / (steps - SHORT_RUN))
     return seconds
 
 
@@ -85,7 +102,7 @@ def format_table(r: dict) -> str:
     steps = r["step_s"]
     if not r["steps"]:
         return "\n".join(lines)
-    lines.append(f"task=prompts step, {r['steps']} steps x {r['runs']} runs each (s/step): "
+    lines.append(f"task=prompts step ({r['steps']}-step run less a {SHORT_RUN}-step one, {r['runs']} each), s/step: "
                  f"inline {', '.join(f'{s:.2f}' for s in steps['inline'])}; "
                  f"pool {', '.join(f'{s:.2f}' for s in steps['pool'])}")
     return "\n".join(lines)
@@ -95,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.reward_pool", description=__doc__.splitlines()[0])
     parser.add_argument("--completions", type=int, default=512, help="completions a batch")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="steps of each task=prompts run (0: none)")
+    parser.add_argument("--steps", type=int, default=105,
+                        help=f"steps of the long task=prompts runs, more than {SHORT_RUN} (0: no runs)")
     parser.add_argument("--runs", type=int, default=2, help="task=prompts runs of each kind")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
