@@ -27,6 +27,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as CallTimeout
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -130,6 +131,9 @@ class RewardPool:
             code = err.exitcode
             how = f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
             reason = f"its worker process died ({how}; replaced)"
+        except BrokenProcessPool as err:  # e.g. every worker failed to build the terms
+            reason = (f"no reward worker could run it ({err}; a worker's own error is on stderr); "
+                      "a new pool starts at the next batch")
         except Exception as err:  # a context that does not pickle, a broken pool
             reason = f"{type(err).__name__}: {err}"
         return [(0.0, reason)] * count

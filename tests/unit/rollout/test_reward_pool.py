@@ -186,6 +186,24 @@ def test_no_worker_outlives_a_training_process_killed_with_sigkill(user_module, 
         trainer.kill()
 
 
+def test_workers_that_cannot_build_the_terms_fail_the_batch_and_a_new_pool_tries_again(user_module, tmp_path,
+                                                                                     monkeypatch, caplog):
+    """The module is importable when the terms are built, not when the workers start: every call scores 0
+    with the reason, promptly (no hang on a pool without workers), batch after batch; once the module is
+    back, a new pool scores again (a pool left broken would fail every later batch)."""
+    rewards = build_rewards([{"_target_": f"{user_module}.length"}], workers=2, timeout=5)
+    path = list(sys.path)
+    monkeypatch.setattr(sys, "path", [p for p in path if p != str(tmp_path)])  # the workers get this sys.path
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="rlcli"):
+            caplog.clear()
+            assert [s.reward for s in rewards.score_batch(["ab", "c"], prompts(1, 2))] == [0.0, 0.0]
+            assert rewards.take_stats()["reward_errors"] == 2
+        assert "no reward worker could run it" in caplog.text
+    monkeypatch.setattr(sys, "path", path)
+    assert [s.reward for s in rewards.score_batch(["ab", "c"], prompts(1, 2))] == [2.0, 1.0]
+
+
 @pytest.mark.parametrize(("workers", "timeout", "message"), [
     (-1, 10.0, "task.reward_workers: must be an integer >= 0"),
     (True, 10.0, "task.reward_workers: must be an integer >= 0"),
