@@ -174,7 +174,7 @@ class PromptsTask:
         "rewards": "the reward terms and their weights, [{name: math_verify, weight: 1.0}, {_target_: my.fn}, ...]; "
                    "null: math_verify alone",
         "reward_workers": "worker processes that run the reward functions, each call with a timeout; null: the "
-                          "cores (shared by a torchrun's processes); 0: in the training process, no timeout",
+                          "cores (shared by the node's training processes); 0: in the training process, no timeout",
         "reward_timeout": "seconds a reward call may take in a worker; then it scores 0, counted in reward_errors",
     }
     OPTION_KEYS = {"dataset": hf_datasets.SOURCE_DOCS, "eval_dataset": hf_datasets.SOURCE_DOCS,

@@ -43,10 +43,12 @@ _terms: tuple[RewardTerm, ...] = ()  # a worker's terms, built by `_start_worker
 
 
 def default_workers() -> int:
-    """The cores this process may use, shared among the processes of a ``torchrun`` on this node
-    (``LOCAL_WORLD_SIZE``); at least 1."""
+    """The cores this process may use, shared among the training processes of this node: ``LOCAL_WORLD_SIZE``
+    (torchrun), else ``WORLD_SIZE`` (Lightning's launch of ``trainer.devices`` processes, set before the first
+    batch; on several nodes it counts them all, so each process gets fewer workers than its share); at least 1."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    processes = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    return max(1, cores // max(1, int(processes)))
 
 
 def _start_worker(path: list[str], specs: list[dict], trainer: Connection) -> None:
@@ -81,10 +83,11 @@ def _stop(pool: ProcessPool, trainer: Connection) -> None:
 
 class RewardPool:
     """Runs the terms of ``specs`` (plain mappings; ``batched[i]`` says whether term i takes the whole batch)
-    in ``workers`` processes, each call limited to ``timeout`` seconds. The pool starts at the first
-    `submit` and stops at `close`, when the pool is collected, or at exit."""
+    in ``workers`` processes (None: `default_workers` when the pool starts), each call limited to ``timeout``
+    seconds. The pool starts at the first `submit` and stops at `close`, when the pool is collected, or at
+    exit."""
 
-    def __init__(self, specs: Sequence[Mapping[str, Any]], batched: Sequence[bool], *, workers: int,
+    def __init__(self, specs: Sequence[Mapping[str, Any]], batched: Sequence[bool], *, workers: int | None,
                  timeout: float) -> None:
         self.specs = [dict(spec) for spec in specs]
         self.batched = list(batched)
@@ -98,7 +101,8 @@ class RewardPool:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(["rlcli.rollout.rewards", "math_verify"])  # imported once, not per worker
             watched, trainer = context.Pipe(duplex=False)  # this process holds the only writing end
-            self._pool = ProcessPool(self.workers, initializer=_start_worker,
+            workers = default_workers() if self.workers is None else self.workers
+            self._pool = ProcessPool(workers, initializer=_start_worker,
                                      initargs=(list(sys.path), self.specs, watched), context=context)
             self._finalizer = weakref.finalize(self, _stop, self._pool, trainer)
             atexit.register(self._finalizer)  # before multiprocessing's exit handler, which joins workers

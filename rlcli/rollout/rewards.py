@@ -451,8 +451,9 @@ def build_rewards(specs: Any, key: str = "task.rewards", *, workers: Any = 0, ti
     nodes are fine). Every problem is reported in one `UserError` naming its key path under ``key``.
 
     The terms that are not ``in_process`` run in a pool of ``workers`` processes (``task.reward_workers``;
-    None: `default_workers`), each call stopped after ``timeout`` seconds (``task.reward_timeout``) and
-    scored 0 (`rlcli.rollout.reward_pool`); ``workers=0``: in this process, without a timeout."""
+    None: `rlcli.rollout.reward_pool.default_workers`), each call stopped after ``timeout`` seconds
+    (``task.reward_timeout``) and scored 0 (`rlcli.rollout.reward_pool`); ``workers=0``: in this process,
+    without a timeout."""
     if workers is not None and not _is_count(workers):
         raise UserError(f"task.reward_workers: must be an integer >= 0 (0: rewards run in the training process) "
                         f"or null (the cores), got {workers!r}")
@@ -482,8 +483,8 @@ def build_rewards(specs: Any, key: str = "task.rewards", *, workers: Any = 0, ti
     pooled = [(spec, term.batched) for spec, term in zip(specs, terms) if not term.in_process]
     if workers == 0 or not pooled:
         return RewardSet(terms)
-    from rlcli.rollout.reward_pool import RewardPool, default_workers  # it builds its terms with this module
+    from rlcli.rollout.reward_pool import RewardPool  # it builds its terms with this module
 
-    pool = RewardPool([spec for spec, _ in pooled], [batched for _, batched in pooled],
-                      workers=default_workers() if workers is None else workers, timeout=float(timeout))
+    pool = RewardPool([spec for spec, _ in pooled], [batched for _, batched in pooled], workers=workers,
+                      timeout=float(timeout))
     return RewardSet(terms, pool)

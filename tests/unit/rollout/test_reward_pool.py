@@ -16,6 +16,7 @@ import time
 import pytest
 
 from rlcli.errors import UserError
+from rlcli.rollout.reward_pool import default_workers
 from rlcli.rollout.rewards import build_rewards
 from rlcli.rollout.tasks import Prompt
 from train_helpers import alive, descendants
@@ -202,6 +203,20 @@ def test_workers_that_cannot_build_the_terms_fail_the_batch_and_a_new_pool_tries
         assert "no reward worker could run it" in caplog.text
     monkeypatch.setattr(sys, "path", path)
     assert [s.reward for s in rewards.score_batch(["ab", "c"], prompts(1, 2))] == [2.0, 1.0]
+
+
+@pytest.mark.parametrize(("env", "processes"), [({}, 1), ({"WORLD_SIZE": "2"}, 2),
+                                                 ({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 4)])
+def test_the_default_workers_share_the_cores_among_the_nodes_training_processes(env, processes, monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE first, else Lightning's WORLD_SIZE; at least one worker."""
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cores = len(os.sched_getaffinity(0))
+    assert default_workers() == max(1, cores // processes)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert default_workers() == 1
 
 
 @pytest.mark.parametrize(("workers", "timeout", "message"), [
