@@ -30,6 +30,20 @@ def compose_train_config(overrides: list[str] = ()):
         return compose(config_name="config", overrides=list(overrides))
 
 
+def straight_and_resumed(common: list[str], root: Path) -> tuple[Path, Path]:
+    """The run directories of two `rlcli train` runs of ``common`` (4 steps, a checkpoint every 2): one straight
+    through, and one whose step-4 checkpoint is lost (as if killed after step 4's outputs were written) and that
+    resumes from step 2."""
+    from rlcli.commands.train import train
+
+    straight, resumed = root / "straight", root / "resumed"
+    train(compose_train_config(common), straight)
+    train(compose_train_config(common), resumed)
+    (resumed / "checkpoints" / "step-4.ckpt").unlink()
+    train(compose_train_config([*common, "resume=auto"]), resumed)
+    return straight, resumed
+
+
 def run_rlcli(
     args: list[str], cwd: Path, timeout: float = 600, wandb_mode: str = "disabled", extra_env: dict | None = None,
     preexec_fn=None,

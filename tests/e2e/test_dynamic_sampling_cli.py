@@ -15,7 +15,7 @@ from factories import rollout_record, write_jsonl
 from rlcli.commands.train import train
 from rlcli.conf.validate import ConfigError, validate_config
 from rlcli.data.errors import DataError
-from train_helpers import compose_train_config, run_rlcli
+from train_helpers import compose_train_config, run_rlcli, straight_and_resumed
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -160,13 +160,9 @@ def test_a_resumed_run_samples_the_same_rounds(tmp_path):
     groups of two so that steps take several rounds. Seeds kept in state, or drawn from a shared generator, fail."""
     common = ["rollout.filter=zero_variance", "rollout.save=true", "rollout.prompts_per_step=3",
               "rollout.group_size=2", "trainer.max_steps=4", "trainer.checkpoint_every=2"]
-    train(compose_train_config(common), tmp_path / "straight")
-    run = tmp_path / "run"
-    train(compose_train_config(common), run)
-    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed after step 4
-    train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
-    assert (run / "rollouts.jsonl").read_text() == (tmp_path / "straight" / "rollouts.jsonl").read_text()
+    straight_dir, run = straight_and_resumed(common, tmp_path)
+    assert (run / "rollouts.jsonl").read_text() == (straight_dir / "rollouts.jsonl").read_text()
     counts = ("groups_kept", "groups_filtered", "sampling_rounds", "reward", "num_documents")
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(run)
+    straight, resumed = read_metrics(straight_dir), read_metrics(run)
     assert [[r[c] for c in counts] for r in resumed] == [[r[c] for c in counts] for r in straight]
     assert any(float(r["sampling_rounds"]) > 1 for r in straight[2:])

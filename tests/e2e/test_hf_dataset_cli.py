@@ -14,8 +14,7 @@ import datasets
 import pytest
 
 from factories import make_tiny_qwen2
-from rlcli.commands.train import train
-from train_helpers import compose_train_config, run_rlcli
+from train_helpers import run_rlcli, straight_and_resumed
 
 GSM8K = ["task=prompts", "task.columns.prompt=question", "task.answer_pattern='#### (.+)'",
          "rollout.max_new_tokens=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
@@ -77,15 +76,11 @@ def test_a_run_on_a_mixture_resumed_from_a_checkpoint_draws_what_a_straight_run_
     mixture = f"task.mixture=[{{path: '{assets['data']}', weight: 2}}, {{path: '{other}', weight: 1}}]"
     common = ["model=hf", f"model.path={assets['model']}", *GSM8K, mixture, "rollout.save=true",
               "trainer.max_steps=4", "trainer.checkpoint_every=2", "logger=none"]
-    train(compose_train_config(common), tmp_path / "straight")
-    run = tmp_path / "run"
-    train(compose_train_config(common), run)
-    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed after step 4
-    train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
-    assert (run / "rollouts.jsonl").read_text() == (tmp_path / "straight" / "rollouts.jsonl").read_text()
+    straight_dir, run = straight_and_resumed(common, tmp_path)
+    assert (run / "rollouts.jsonl").read_text() == (straight_dir / "rollouts.jsonl").read_text()
     prompts = {tuple(json.loads(line)["prompt_ids"]) for line in (run / "rollouts.jsonl").open()}
     assert len(prompts) > 2  # the steps drew different prompts
-    with (run / "metrics.csv").open() as f, (tmp_path / "straight" / "metrics.csv").open() as g:
+    with (run / "metrics.csv").open() as f, (straight_dir / "metrics.csv").open() as g:
         resumed, straight = list(csv.DictReader(f)), list(csv.DictReader(g))
     assert [(r["step"], r["loss"], r["reward"]) for r in resumed] == [(r["step"], r["loss"], r["reward"])
                                                                       for r in straight]

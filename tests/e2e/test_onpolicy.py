@@ -13,7 +13,7 @@ from factories import rollout_record, write_jsonl
 from rlcli.callbacks.off_policy import warn_if_off_policy
 from rlcli.commands.train import train
 from rlcli.data.readers import load_rollouts
-from train_helpers import compose_train_config, run_rlcli
+from train_helpers import compose_train_config, run_rlcli, straight_and_resumed
 
 
 def train_on_policy(tmp_path: Path, *overrides: str, steps: int = 2):
@@ -111,14 +111,9 @@ def test_default_run_learns(tmp_path, loss):
 def test_saved_rollouts_are_cut_back_on_resume_and_started_anew_by_a_fresh_run(tmp_path):
     common = ["rollout.save=true", "rollout.prompts_per_step=3", "rollout.group_size=2", "trainer.max_steps=4",
               "trainer.checkpoint_every=2", "logger=none"]
-    train(compose_train_config(common), tmp_path / "straight")
-    straight = (tmp_path / "straight" / "rollouts.jsonl").read_text()
+    straight_dir, run = straight_and_resumed(common, tmp_path)
+    straight = (straight_dir / "rollouts.jsonl").read_text()
     assert len(straight.splitlines()) == 4 * 6
-
-    run = tmp_path / "run"
-    train(compose_train_config(common), run)
-    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed after step 4's records were written
-    train(compose_train_config([*common, "resume=auto"]), run)  # resumes from step 2
     assert (run / "rollouts.jsonl").read_text() == straight  # steps 3 and 4 written once, not twice
 
     shutil.rmtree(run / "checkpoints")  # a fresh run refuses a directory that holds checkpoints

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from factories import make_arithmetic_dataset, make_tiny_qwen2
 from rlcli.commands.train import train
 from rlcli.rollout.tasks import ReverseTask
-from train_helpers import compose_train_config
+from train_helpers import compose_train_config, straight_and_resumed
 
 SMALL = ["trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.save=true"]
 
@@ -117,14 +117,10 @@ def test_a_resumed_run_cuts_the_file_back_to_its_checkpoint(tmp_path):
     """A run whose last checkpoint is lost resumes from step 2: its file holds each step once and equals a
     straight run's (without the cut, steps 3 and 4 would appear twice)."""
     common = [*SMALL, "trainer.max_steps=4", "trainer.checkpoint_every=2", "logger=none"]
-    train(compose_train_config(common), tmp_path / "straight")
-    run = tmp_path / "resumed"
-    train(compose_train_config(common), run)
-    (run / "checkpoints" / "step-4.ckpt").unlink()  # as if killed before it was written
-    train(compose_train_config([*common, "resume=auto"]), run)
+    straight, run = straight_and_resumed(common, tmp_path)
     steps = [line["step"] for line in lines(run)]
     assert steps == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
-    assert lines(run) == lines(tmp_path / "straight")
+    assert lines(run) == lines(straight)
 
 
 def tfrecords(path: Path):
