@@ -18,8 +18,8 @@ from train_helpers import run_rlcli
         (["model=hf", "model.path=/nonexistent"], "model.path: /nonexistent is not a Hugging Face checkpoint"),
         # Hydra fails on a config group set to a non-name with a traceback: the CLI reports them before it
         (["task=null", "loss=1"], "Invalid configuration (2 problems):\n  - task=null: the config group task takes "
-                                  "one of addition, prompts, reverse (or a list of them); ~task leaves it out\n"
-                                  "  - loss=1:"),
+                                  "one of addition, prompts, reasoning_gym, reverse (or a list of them); ~task leaves "
+                                  "it out\n  - loss=1:"),
     ],
 )
 def test_cli_config_errors_exit_2_without_traceback(tmp_path, args, message):
