@@ -100,7 +100,11 @@ def test_loop_trains_with_two_samplers_and_ends_with_the_trainer(tmp_path):
     for i in range(2):
         assert f"sampler {i} exited with code 0" in output
         assert "trainer finished" in (run / f"sampler-{i}" / "sample.log").read_text()
-        logged = [json.loads(line) for line in (run / f"sampler-{i}" / "completions.jsonl").read_text().splitlines()]
+    # a sampler that loads its first weights late on a busy machine may find the 4 steps trained by the other
+    written = [p for p in (run / f"sampler-{i}" / "completions.jsonl" for i in range(2)) if p.exists()]
+    assert written
+    for path in written:
+        logged = [json.loads(line) for line in path.read_text().splitlines()]
         assert logged and all(line["prompt"].endswith(">") and isinstance(line["policy_version"], int)
                               for line in logged)  # the reverse task's prompts, as text; rollout.log_completions=4
         assert {line["round"] for line in logged} == set(range(len(logged) // 4))
