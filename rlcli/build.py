@@ -35,13 +35,20 @@ from rlcli.training.strategy import build_strategy
 
 
 def build_user_callbacks(specs: list[dict]) -> list[L.Callback]:
-    """The ``callbacks`` list of the config: each a trusted ``_target_`` and its arguments."""
+    """The ``callbacks`` list of the config: each a trusted ``_target_`` and its arguments. A target is
+    checked to be a Callback class before anything is called (a trusted module's function could run)."""
+    from hydra.utils import get_object
+
     callbacks = []
     for i, spec in enumerate(specs):
-        callback = build_target(spec, f"callbacks[{i}]")
-        if not isinstance(callback, L.Callback):
-            raise UserError(f"callbacks[{i}]: {spec.get('_target_')} is not a lightning Callback")
-        callbacks.append(callback)
+        target = spec.get("_target_")
+        try:
+            cls = get_object(str(target))
+        except Exception as err:
+            raise UserError(f"callbacks[{i}]._target_: cannot import {target!r}: {err}") from None
+        if not (isinstance(cls, type) and issubclass(cls, L.Callback)):
+            raise UserError(f"callbacks[{i}]._target_: {target!r} is not a lightning Callback class")
+        callbacks.append(build_target(spec, f"callbacks[{i}]"))
     return callbacks
 
 

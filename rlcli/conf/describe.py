@@ -29,8 +29,7 @@ from rlcli.modules.bounds import BOUNDS, bound_text, bounds_of
 
 # the keys Hydra itself reads in a node it builds
 HYDRA_KEYS = {
-    "_target_": "the class or function that builds this object (from rlcli, torch, transformers or a module "
-                "of allow_targets)",
+    "_target_": "the class or function that builds this object (from rlcli or a module of allow_targets)",
     "_recursive_": "false: the nested _target_ nodes (e.g. reward terms) reach the object unbuilt",
 }
 __all__ = ["HYDRA_KEYS", "Row", "compose", "group_options", "help_text", "option_doc", "rows"]

@@ -449,7 +449,7 @@ class TrainConfig:
         "null: start fresh; auto: continue from the newest complete checkpoint of the run directory; "
         "PATH: that checkpoint file")
     allow_targets: list[str] = described(
-        "top-level modules of your own code whose objects a _target_ may name (besides rlcli, torch, transformers)")
+        "top-level modules of your own code whose objects a _target_ may name (besides rlcli)")
     callbacks: list[Target] = described(
         "extra Lightning callbacks, each a _target_ (from a trusted module) and its arguments")
     loss: LossConfig = described("the policy loss")

@@ -1,5 +1,7 @@
-"""Which ``_target_`` a config may name: ``_target_`` builds any importable object, so only those of
-rlcli, torch and transformers unless the user trusts more top-level modules in ``allow_targets``."""
+"""Which ``_target_`` a config may name: ``_target_`` builds any importable object, so only rlcli's unless
+the user trusts more top-level modules in ``allow_targets``. The check reads the name alone: nothing is
+imported before it passes. torch and transformers are not trusted by default: their functions load native
+libraries (``torch.ops.load_library``), write files (``torch.save``) and run downloaded code (``torch.hub.load``)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,11 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-TRUSTED_TARGET_MODULES = ("rlcli", "torch", "transformers")
+TRUSTED_TARGET_MODULES = ("rlcli",)
 
 
 def trusted_modules(cfg: DictConfig) -> tuple[str, ...]:
-    """The modules whose objects ``cfg`` may build: rlcli's, torch's, transformers' and ``allow_targets``."""
+    """The modules whose objects ``cfg`` may build: rlcli's and those of ``allow_targets``."""
     allowed = cfg.get("allow_targets")
     return TRUSTED_TARGET_MODULES + (tuple(allowed) if isinstance(allowed, ListConfig) else ())
 
