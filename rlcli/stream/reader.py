@@ -11,13 +11,15 @@ and keeps the books that make training exactly-once across crashes:
   `state_dict` lists the resolved, unacknowledged entries; a resumed reader acknowledges those and
   reads the rest of its pending entries again, in stream order, before any new one.
 
-Rejected records (by `check_record`, the writer's check too, or for this trainer's temperature and
-reference log-probs) and stale ones (sampled more than ``max_lag`` versions before the trainer's) are
-written to this process's rejections file (``rejected.jsonl``) and to the ``<stream>:rejected`` stream
-with their reason; nothing is dropped silently. A record rejected after the checkpoint a run resumes
-from is read and judged again, so before its first read a reader cuts its file back to the
-checkpoint's count of lines (to none when starting afresh) and deletes its own ``<stream>:rejected``
-entries of records still pending.
+Rejected records (entries that `decode` cannot read: not UTF-8, not JSON, nested too deep; records that
+fail `check_record`, the writer's check too, or this trainer's temperature and reference log-probs), stale
+ones (sampled more than ``max_lag`` versions before the trainer's) and ones from the future (a
+``policy_version`` above the trainer's) are written to this process's rejections file (``rejected.jsonl``)
+and to the ``<stream>:rejected`` stream with their reason; nothing is dropped silently. Like a trained
+entry, a rejected one is acknowledged with the next durable checkpoint, and never read again. A record
+rejected after the checkpoint a run resumes from is read and judged again, so before its first read a
+reader cuts its file back to the checkpoint's count of lines (to none when starting afresh) and deletes its
+own ``<stream>:rejected`` entries of records still pending.
 """
 
 from __future__ import annotations
@@ -105,12 +107,17 @@ class StreamReader:
         from Redis (see `_read`), waiting for it when it is the ``first`` of a micro-batch."""
         while (doc := self.carried.popleft() if self.carried else self._read(wait=first)) is not None:
             staleness = self.staleness(doc)
-            if staleness <= self.options.max_lag:
+            if 0 <= staleness <= self.options.max_lag:
                 return doc
-            self.stale_dropped += 1
+            if staleness < 0:
+                reason = (f"from the future: sampled by policy version {_shown(doc.policy_version)}, above the "
+                          f"trainer's {self.version} (weights of another run, or published before a crash that "
+                          "the trainer resumed from an earlier step)")
+            else:
+                self.stale_dropped += 1
+                reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
+                          f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
             entry = self.entry_of.pop(doc.index)
-            reason = (f"stale: sampled by policy version {doc.policy_version}, {staleness} versions before the "
-                      f"trainer's {self.version} (data.max_lag={self.options.max_lag})")
             record = to_record(doc) | {"id": doc.id, "policy_version": doc.policy_version}
             self._reject(entry, Rejection(doc.source, "policy_version", reason, record))
         return None
@@ -222,20 +229,28 @@ class StreamReader:
             self._started = True
         if self.conn.reconnects != self._reconnects:
             self._reconnects, self._backlog = self.conn.reconnects, "0"
-        o = self.options
         if self._backlog is not None:
-            reply = self.conn.call("xreadgroup", o.group, self.consumer, {o.stream: self._backlog}, count=READ_COUNT)
-            entries = reply[0][1] if reply else []
+            entries = self._read_group(self._backlog, block=False)
             if entries:
                 self._backlog = entries[-1][0]
                 self.fetched.extend((entry, fields) for entry, fields in entries if entry not in self.seen)
                 return True
             self._backlog = None
-        reply = self.conn.call("xreadgroup", o.group, self.consumer, {o.stream: ">"}, count=READ_COUNT,
-                               block=BLOCK_MS if block else None)
-        entries = reply[0][1] if reply else []
+        entries = self._read_group(">", block=block)
         self.fetched.extend(entries)
         return bool(entries)
+
+    def _read_group(self, after: str, block: bool) -> list[tuple[str, dict[str, bytes]]]:
+        """XREADGROUP of up to `READ_COUNT` entries after ``after`` ("0": this consumer's pending ones, ">": new
+        ones). Their fields come as bytes, so that an entry that is not UTF-8 is rejected by `decode`, not
+        fatal to the whole reply."""
+        o = self.options
+        wait = ["BLOCK", BLOCK_MS] if block else []
+        reply = self.conn.call("execute_command", "XREADGROUP", "GROUP", o.group, self.consumer, "COUNT", READ_COUNT,
+                               *wait, "STREAMS", o.stream, after, NEVER_DECODE=True)
+        entries = reply[0][1] if reply else []
+        return [(entry.decode(), {name.decode(errors="replace"): value for name, value in fields.items()})
+                for entry, fields in entries]
 
     def _accept(self, entry: str, fields: dict | None) -> Rollout | None:
         """The entry's document, or None when it is rejected or deleted (then it is resolved)."""
@@ -289,3 +304,9 @@ class StreamReader:
         if needed:
             oldest = min(needed, key=lambda e: tuple(int(p) for p in e.split("-")))
             self.conn.call("xtrim", stream, minid=oldest, approximate=False)
+
+
+def _shown(number: int) -> str:
+    """``number`` as text, its digits elided past 20 (a record may carry any int)."""
+    text = str(number)
+    return text if len(text) <= 20 else f"{text[:10]}...({len(text)} digits)"

@@ -23,6 +23,9 @@ from rlcli.data.schema import Rollout, validate_record
 
 FIELD = "record"
 DEFAULT_STREAM = "rlcli:rollouts"
+# Lists and objects a record may nest (a rollout record has two levels): deeper values would exhaust
+# Python's recursion limit wherever the record is checked or written again.
+MAX_DEPTH = 32
 
 
 def rejected_key(stream: str) -> str:
@@ -38,14 +41,30 @@ def encode(record: Mapping[str, Any]) -> dict[str, str]:
     return {FIELD: json.dumps(record, separators=(",", ":"))}
 
 
-def decode(fields: Mapping[str, str]) -> Any:
-    """The record an entry carries; a ``ValueError`` with the reason when it carries none."""
+def decode(fields: Mapping[str, str | bytes]) -> Any:
+    """The record an entry carries (its field as text, or as the bytes Redis holds); a ``ValueError`` with
+    the reason when it carries none: no such field, not UTF-8, not JSON, or nested too deep to parse."""
     if FIELD not in fields:
         raise ValueError(f"the entry has no {FIELD!r} field (fields: {', '.join(sorted(fields)) or 'none'})")
+    text = fields[FIELD]
     try:
-        return json.loads(fields[FIELD])
-    except json.JSONDecodeError as err:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the {FIELD!r} field is not UTF-8 text: {err}") from None
+    except RecursionError:
+        raise ValueError(f"the {FIELD!r} field is JSON nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as err:  # a JSONDecodeError, or an int of more digits than Python converts
         raise ValueError(f"the {FIELD!r} field is not JSON: {err}") from None
+
+
+def _deeper_than(value: Any, depth: int) -> bool:
+    """Whether ``value`` has lists or objects nested more than ``depth`` levels deep (found without recursion)."""
+    containers = (list, tuple, Mapping)
+    level = [value] if isinstance(value, containers) else []  # the containers at the level reached
+    for _ in range(depth):
+        level = [item for node in level for item in (node.values() if isinstance(node, Mapping) else node)
+                 if isinstance(item, containers)]
+    return bool(level)
 
 
 def check_record(
@@ -54,12 +73,14 @@ def check_record(
     """``record`` as a `Rollout` with its ``id`` and ``policy_version``; a `RecordError` naming ``where``
     and the field when it breaks the stream contract.
 
-    A stream record is a JSON object (no NaN or infinity: strict JSON) with ``id`` (a non-empty string),
-    ``policy_version`` (an int >= 0) and ``advantage`` or ``advantages`` (the trainer cannot compute them:
-    a group may reach it in pieces), and it obeys rollout-record.md (`validate_record`, with the trainer's
-    ``vocab_size`` and ``max_tokens`` where known; its errors name ``where (id ...)``). ``index`` is the
-    document's position among those read.
+    A stream record is a JSON object (no NaN or infinity: strict JSON; nested at most `MAX_DEPTH` deep) with
+    ``id`` (a non-empty string), ``policy_version`` (an int >= 0) and ``advantage`` or ``advantages`` (the
+    trainer cannot compute them: a group may reach it in pieces), and it obeys rollout-record.md
+    (`validate_record`, with the trainer's ``vocab_size`` and ``max_tokens`` where known; its errors name
+    ``where (id ...)``). ``index`` is the document's position among those read.
     """
+    if _deeper_than(record, MAX_DEPTH):
+        raise RecordError(where, None, f"is JSON nested more than {MAX_DEPTH} levels deep")
     if not _is_json(record):
         fields = record.items() if isinstance(record, Mapping) else ()
         field = next((key for key, value in fields if not _is_json(value)), None)

@@ -36,6 +36,7 @@ MALFORMED = [  # (record, the field named)
     (record(old_logprobs=[-0.5, 0.5]), "old_logprobs"),
     (record(advantage=-1e39), "advantage"),
     (record(advantages=[1.0, 2.0]), "advantage"),
+    (record(extra=json.loads("[" * 40 + "]" * 40)), None),  # deeper than MAX_DEPTH (32): issue 32
 ]
 
 
