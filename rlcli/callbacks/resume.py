@@ -23,10 +23,12 @@ log = logging.getLogger("rlcli")
 
 STEP_CHECKPOINT = re.compile(r"step-(\d+)\.ckpt")
 # config keys a resumed run may change (each with the keys below it): how long to train, how often
-# to save, what to log, what to optimise and where the samplers are; every other difference is refused
+# to save, what to log, what to optimise, where the samplers are and how many tokens a micro-batch
+# packs (a run stopped by a document longer than data.max_tokens continues with a larger one);
+# every other difference is refused
 SAFE_TO_CHANGE = ("resume", "trainer.max_steps", "trainer.checkpoint_every", "trainer.max_bad_steps", "logger",
                   "eval.every", "objective", "callbacks", "allow_targets", "data.url", "data.wait_warning",
-                  "data.idle_timeout")
+                  "data.idle_timeout", "data.max_tokens")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
 
     from rlcli.conf import build_target
     from rlcli.conf.validate import validate_config
+    from rlcli.rollout.prompts import check_prompt_room
     from rlcli.stream.connection import connect
     from rlcli.stream.worker import SamplerWorker
     from rlcli.training.distill import reward_advantage
@@ -70,6 +71,7 @@ def sample(cfg: DictConfig, run_dir: Path) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # several samplers and a trainer share the machine's cores
     task = build_target(typed.task, "task")
+    check_prompt_room(task, max_tokens=typed.data.max_tokens, max_new_tokens=typed.rollout.max_new_tokens)
     conn = connect(typed.data.url)
     signals = StopSignals()
     worker = SamplerWorker(

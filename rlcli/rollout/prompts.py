@@ -357,7 +357,7 @@ class PromptsTask:
             raise RecordError(source, "prompt", f"is {len(ids)} tokens long, more than "
                                                 f"task.max_prompt_tokens={self.max_prompt_tokens}")
         fields = {k: v for k, v in record.items() if k not in ("prompt", "answer")}
-        return Prompt(text=text, ids=tuple(ids), answer=answer, fields=fields)
+        return Prompt(text=text, ids=tuple(ids), answer=answer, fields=fields, source=source)
 
     def _apply_template(self, messages: list[dict], source: str) -> str:
         if self.chat_template is None and self.tokenizer.hf.chat_template is None:
@@ -399,6 +399,23 @@ class PromptsTask:
     def take_reward_stats(self) -> dict[str, float]:
         """``reward/<name>`` and ``reward_errors`` since the last call (`RewardSet.take_stats`)."""
         return self.rewards.take_stats()
+
+
+def check_prompt_room(task: Any, *, max_tokens: int, max_new_tokens: int) -> None:
+    """A `UserError` naming the training prompts of a `PromptsTask` (other tasks draw theirs as they go) that
+    leave no room for a completion of ``max_new_tokens`` (rollout.max_new_tokens) in a document of at most
+    ``max_tokens`` (data.max_tokens): each would stop the run on the step that draws it."""
+    room = max_tokens - max_new_tokens
+    long = [p for p in task.train if len(p.ids) > room] if isinstance(task, PromptsTask) else []
+    if not long:
+        return
+    lines = [f"data.max_tokens: training prompts longer than the {room} tokens that data.max_tokens={max_tokens} "
+             f"leaves beside rollout.max_new_tokens={max_new_tokens} (raise data.max_tokens, which a resumed run "
+             "may, or shorten or drop these prompts):"]
+    lines += [f"  {p.source}: {len(p.ids)} tokens" for p in long[:MAX_LISTED_PROBLEMS]]
+    if len(long) > MAX_LISTED_PROBLEMS:
+        lines.append(f"  ... and {len(long) - MAX_LISTED_PROBLEMS} more")
+    raise UserError("\n".join(lines))
 
 
 def _training_sources(dataset: Any, mixture: Any) -> list[hf_datasets.DatasetSource]:

@@ -87,12 +87,14 @@ class CharTokenizer:
 class Prompt:
     """A prompt's text, its token ids, the expected answer text (None if a dataset gives none) and
     the record's other fields, which rewards may read. ``fields`` (read-only by convention) takes
-    part in equality but not in the hash, so a prompt with unhashable field values still hashes."""
+    part in equality but not in the hash, so a prompt with unhashable field values still hashes.
+    ``source``: where a prompt read from a file or dataset is (``a.jsonl:3``, a dataset's row), for messages."""
 
     text: str
     ids: tuple[int, ...]
     answer: str | None
     fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    source: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

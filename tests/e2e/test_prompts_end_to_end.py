@@ -63,6 +63,21 @@ def test_a_broken_record_is_one_message_naming_its_line(assets, tmp_path):
     assert f"{bad}:2" in result.stderr and "prompt" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_prompt_without_room_for_a_completion_in_data_max_tokens_is_refused_before_training(assets, tmp_path):
+    """Line 2 fits task.max_prompt_tokens but not data.max_tokens=48 beside rollout.max_new_tokens=2: before the
+    fix the run trained until a step drew it and then died (here, with one step, it may never have)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
+                       + json.dumps({"prompt": "1+1+" * 40 + "1=", "answer": "41"}) + "\n")
+    result = run_rlcli(["train", "model=hf", f"model.path={assets['model']}", *TASK, f"task.paths=[{prompts}]",
+                        "data.max_tokens=48", "trainer.max_steps=1", "logger=none", "hydra.run.dir=run"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "data.max_tokens: training prompts longer than the 46 tokens that data.max_tokens=48 leaves beside " \
+           "rollout.max_new_tokens=2" in result.stderr
+    assert f"{prompts}:2: " in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
 def test_a_bad_reward_config_is_one_message_naming_the_key(assets, tmp_path):
     result = run_rlcli(["train", "model=hf", f"model.path={assets['model']}", "task=prompts",
                         f"task.paths=[{assets['train']}]", "task.rewards=[{name: regex, pattern: '('}]",

@@ -118,6 +118,15 @@ def test_keys_safe_to_change_may_differ_on_resume(tmp_path):
     assert point.path == path and point.run.id == "run-a" and point.run.config == changed
 
 
+def test_data_max_tokens_may_change_on_resume(tmp_path):
+    """A run stopped by a document longer than data.max_tokens continues with a larger value (issue 32); before
+    the fix the key was refused like any other change."""
+    config = {**CONFIG, "data": {"kind": "generate", "max_tokens": 64}}
+    path = write_checkpoint(tmp_path / "checkpoints" / "step-3.ckpt", 3, config=config)
+    point = resume_point("auto", tmp_path, with_changes(config, data__max_tokens=256), max_steps=10)
+    assert point.path == path
+
+
 def test_a_checkpoint_beyond_max_steps_is_refused(tmp_path):
     write_checkpoint(tmp_path / "checkpoints" / "step-30.ckpt", 30)
     with pytest.raises(UserError, match=r"step 30, beyond trainer.max_steps=10"):

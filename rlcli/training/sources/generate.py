@@ -17,6 +17,7 @@ from rlcli.rollout.advantages import computes_advantages, group_estimators
 from rlcli.rollout.filtering import GroupFilter
 from rlcli.rollout.onpolicy import OnPolicyRollouts
 from rlcli.rollout.overlong import Overlong
+from rlcli.rollout.prompts import check_prompt_room
 from rlcli.rollout.samplers import build_sampler
 from rlcli.storage import keep_lines
 from rlcli.training import distributed
@@ -130,6 +131,7 @@ class GenerateKind(DataKind):
     def __init__(self, cfg, run_dir: Path) -> None:
         super().__init__(cfg, run_dir)
         self.task = build_target(cfg.task, "task")
+        check_prompt_room(self.task, max_tokens=cfg.data.max_tokens, max_new_tokens=cfg.rollout.max_new_tokens)
 
     @property
     def default_vocab_size(self) -> int:

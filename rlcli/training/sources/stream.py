@@ -16,6 +16,7 @@ import torch
 from rlcli.conf import build_target
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.modules.metrics import Metric
+from rlcli.rollout.prompts import check_prompt_room
 from rlcli.stream.connection import connect
 from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
@@ -107,6 +108,8 @@ class StreamKind(DataKind):
     def __init__(self, cfg, run_dir) -> None:
         super().__init__(cfg, run_dir)
         self.task = build_target(cfg.task, "task") if cfg.task is not None else None
+        if self.task is not None and cfg.rollout is not None:  # the samplers' prompts: their records would not fit
+            check_prompt_room(self.task, max_tokens=cfg.data.max_tokens, max_new_tokens=cfg.rollout.max_new_tokens)
 
     @property
     def default_vocab_size(self) -> int:
