@@ -173,5 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. What rlcli and the processes it starts create is their user's alone
+    (umask 077: files 0600, directories 0700), whatever it holds: checkpoints, weights, logs, Redis's data."""
+    os.umask(os.umask(0o077) | 0o077)
     sys.exit(main())

@@ -36,6 +36,7 @@ from omegaconf import DictConfig
 from rlcli.conf import quiet_local_config_folder  # (and the config's resolvers)
 from rlcli.conf.sweepers import register_sweepers
 from rlcli.errors import CLUSTER_FAILURE, ClusterError, UserError
+from rlcli.redis_password import hide_password
 from rlcli.storage import REFUSED_BY_STORAGE
 
 log = logging.getLogger("rlcli")
@@ -76,7 +77,13 @@ class HydraApp:
         self.started = False
 
     def run(self, args: list[str]) -> int:
-        """Run the app with ``args`` (Hydra's overrides and options) on the command line; the exit code."""
+        """Run the app with ``args`` (Hydra's overrides and options) on the command line; the exit code.
+        A Redis password in ``data.url`` goes to the environment first: nothing the run writes holds it."""
+        try:
+            args = hide_password(args)
+        except UserError as err:
+            print(f"rlcli {self.command}: error: {err}", file=sys.stderr)
+            return 2
         errors = group_override_errors(args)
         if not errors and ("--help" in args or "-h" in args):
             return self._help([arg for arg in args if arg not in ("--help", "-h")])

@@ -182,8 +182,9 @@ class StreamDataConfig:
 
     kind: Literal["stream"] = described("the data option: stream")
     url: Optional[str] = described(
-        "the Redis server, redis://host:port/db; required by rlcli train and rlcli sample, set by rlcli loop "
-        "when it starts its own server")
+        "the Redis server, redis://[:PASSWORD@]host:port/db (rediss:// with TLS, unix:///path/to/socket); required "
+        "by rlcli train and rlcli sample, set by rlcli loop when it starts its own server; a password is masked "
+        "(****) in every file and log, and kept in RLCLI_REDIS_PASSWORD")
     stream: str = described(
         "the stream's key; rejected records go to <stream>:rejected, announcements to <stream>:weights")
     group: str = described("the trainer's consumer group (one consumer per process: rank0, rank1, ...)")

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import redis
 
 from rlcli.errors import UserError
+from rlcli.redis_password import masked, revealed
 
 log = logging.getLogger("rlcli")
 
@@ -28,10 +29,12 @@ class StreamUnavailable(UserError):
 
 
 def check_url(url: str, key: str = "data.url") -> str:
-    """``url`` if it is a ``redis://host:port/db`` URL, else a `UserError` naming ``key``."""
+    """``url`` if it is a Redis URL (``redis://host:port/db``, ``rediss://`` with TLS, ``unix:///socket``),
+    else a `UserError` naming ``key``."""
     parsed = urlparse(url)
-    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-        raise UserError(f"{key}: {url!r} is not a Redis URL (redis://host:port/db)")
+    if not (parsed.scheme in ("redis", "rediss") and parsed.hostname or parsed.scheme == "unix" and parsed.path):
+        raise UserError(f"{key}: {masked(url)!r} is not a Redis URL (redis://host:port/db, rediss://... with TLS "
+                        "or unix:///path/to/socket)")
     return url
 
 
@@ -53,17 +56,17 @@ class RedisConnection:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + RECONNECT_TIMEOUT
-                    log.warning("stream: Redis at %s is unreachable (%s); reconnecting", self.url, err)
+                    log.warning("stream: Redis at %s is unreachable (%s); reconnecting", masked(self.url), err)
                 if now > deadline:
                     raise StreamUnavailable(
-                        f"data.url: Redis at {self.url} has not answered for {RECONNECT_TIMEOUT:.0f} s ({err})"
+                        f"data.url: Redis at {masked(self.url)} has not answered for {RECONNECT_TIMEOUT:.0f} s ({err})"
                     ) from None
                 time.sleep(delay)
                 delay = min(2 * delay, BACKOFF_MAX)
                 continue
             if deadline is not None:
                 self.reconnects += 1
-                log.warning("stream: Redis at %s is back", self.url)
+                log.warning("stream: Redis at %s is back", masked(self.url))
             return result
 
     def close(self) -> None:
@@ -74,7 +77,7 @@ def connect(url: str, key: str = "data.url") -> RedisConnection:
     """A connection to the Redis server at ``url``, checked with a PING; a `UserError` naming ``key``
     when the URL is malformed or nothing answers within `CONNECT_TIMEOUT` seconds."""
     check_url(url, key)
-    client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT, decode_responses=True)
+    client = redis.Redis.from_url(revealed(url, key), socket_connect_timeout=CONNECT_TIMEOUT, decode_responses=True)
     deadline = time.monotonic() + CONNECT_TIMEOUT
     while True:
         try:
@@ -82,8 +85,8 @@ def connect(url: str, key: str = "data.url") -> RedisConnection:
             return RedisConnection(url, client)
         except TRANSIENT as err:
             if time.monotonic() > deadline:
-                raise UserError(f"{key}: no Redis server answers at {url} ({err}); start one, or let "
+                raise UserError(f"{key}: no Redis server answers at {masked(url)} ({err}); start one, or let "
                                 "`rlcli loop` start its own") from None
             time.sleep(BACKOFF_FIRST)
         except redis.RedisError as err:  # e.g. a password is needed, or the db number is out of range
-            raise UserError(f"{key}: Redis at {url} refused the connection: {err}") from None
+            raise UserError(f"{key}: Redis at {masked(url)} refused the connection: {err}") from None

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from rlcli.data.errors import DataError, RecordError
 from rlcli.data.readers import expand_paths, read_records
 from rlcli.errors import UserError
+from rlcli.redis_password import masked
 from rlcli.rollout.advantages import computes_advantages, group_estimators
 from rlcli.stream.records import check_record
 from rlcli.stream.writer import StreamWriter, group_advantages_for
@@ -69,7 +70,7 @@ def push_files(patterns: Sequence[str], url: str, stream: str, advantage: str, e
         for start in range(0, len(records), BATCH):
             writer.push_many(records[start:start + BATCH])
         length = writer.length()
-    print(f"pushed {len(records)} records to stream {stream!r} at {url} (stream length {length})", file=out)
+    print(f"pushed {len(records)} records to stream {stream!r} at {masked(url)} (stream length {length})", file=out)
 
 
 def _read(patterns: Sequence[str]) -> tuple[list[str], list[dict[str, Any]]]:

@@ -109,6 +109,6 @@ def test_loop_trains_with_two_samplers_and_ends_with_the_trainer(tmp_path):
                               for line in logged)  # the reverse task's prompts, as text; rollout.log_completions=4
         assert {line["round"] for line in logged} == set(range(len(logged) // 4))
     assert "trainer exited with code 0" in output
-    url = re.search(r"Redis at (redis://\S+)", output).group(1)
+    url = re.search(r"Redis at (unix://\S+)", output).group(1)
     with pytest.raises(redis.ConnectionError):  # the loop's server is stopped
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()

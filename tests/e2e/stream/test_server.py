@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import time
 
 import pytest
@@ -15,11 +14,10 @@ from rlcli.stream.connection import connect
 from rlcli.stream.server import EmbeddedRedis, free_port
 
 
-def test_server_answers_on_loopback(redis_url):
-    assert redis_url.startswith("redis://127.0.0.1:") and redis_url.endswith("/0")
+def test_server_answers_on_its_socket(redis_url):
+    assert redis_url.startswith("unix:///") and redis_url.endswith("/redis.sock")
     conn = connect(redis_url)
     assert conn.call("ping") is True
-    assert conn.call("config_get", "appendonly") == {"appendonly": "yes"}
     conn.close()
 
 
@@ -29,21 +27,29 @@ def test_stream_survives_restart(tmp_path):
         client = redis.Redis.from_url(server.url, decode_responses=True)
         ids = [client.xadd("s", {"record": f'{{"n":{n}}}'}) for n in range(3)]
         client.close()
-        port = server.port
+        url = server.url
         server.restart()
-        assert server.port == port
+        assert server.url == url
         client = redis.Redis.from_url(server.url, decode_responses=True)
         assert client.xrange("s") == [(i, {"record": f'{{"n":{n}}}'}) for n, i in enumerate(ids)]
         client.close()
     assert (tmp_path / "redis.log").is_file()
 
 
-def test_stop_twice_and_port_freed(tmp_path):
+def test_stop_twice_and_socket_removed(tmp_path):
     server = EmbeddedRedis(tmp_path).start()
     server.stop()
     server.stop()
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", server.port), timeout=1)
+    assert not server.socket_path.exists()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()
+
+
+def test_a_socket_path_too_long_for_the_system_is_one_clear_error(tmp_path):
+    deep = tmp_path / ("d" * 100)
+    with pytest.raises(UserError, match="the path of Redis's socket is .* bytes, more than the 103"):
+        EmbeddedRedis(deep).start()
+    assert not deep.exists()  # refused before anything is made
 
 
 def test_connect_to_closed_port_is_a_user_error(monkeypatch):
