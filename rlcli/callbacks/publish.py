@@ -5,12 +5,15 @@ The version is the number of training steps done: v0 the starting weights, at th
 every ``every`` steps after the update; the last at the end of training, announced ``final`` unless a
 signal stopped the run (its samplers wait for the resumed run). Rank 0 writes under a
 temporary name and renames, so a sampler never loads a half-written version; the policy is gathered
-from every shard first (a collective, so every rank calls `publish`). The newest ``keep`` are kept.
+from every shard first (a collective, so every rank calls `publish`). The newest ``keep`` are kept. On
+start, the versions above the step the run starts from (written before a crash) are removed first, so
+that the pruning keeps the version the run announces then.
 Weights holding a NaN or an infinity are never published: `export_policy` refuses them on every rank.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import time
@@ -24,6 +27,7 @@ from rlcli.stream.connection import connect
 from rlcli.stream.queue import announce_weights
 from rlcli.training.export import export_policy
 
+log = logging.getLogger("rlcli")
 VERSION_DIR = re.compile(r"v(\d+)")
 METRICS = {
     "weight_publish_time": Metric("data=stream, on steps that publish (`publish.every`)",
@@ -46,6 +50,8 @@ class WeightPublisher(L.Callback):
         self._conn = None
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            self._remove_above(pl_module.steps_done)
         self.publish(pl_module, pl_module.steps_done)  # the weights samplers start from
 
     def step_metrics(self, trainer, pl_module) -> dict[str, float]:
@@ -80,8 +86,21 @@ class WeightPublisher(L.Callback):
             })
         return time.perf_counter() - started
 
+    def _versions(self) -> list[tuple[int, Path]]:
+        """The published versions on disk, with their directories, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        return sorted((int(m.group(1)), path) for path in self.directory.iterdir()
+                      if (m := VERSION_DIR.fullmatch(path.name)))
+
+    def _remove_above(self, step: int) -> None:
+        """Delete the versions above ``step``: a run killed after them resumes from an earlier step, and the
+        newest ``keep`` on disk must be the versions this run publishes."""
+        for version, path in self._versions():
+            if version > step:
+                log.info("publish: removing %s, published after step %d that this run continues from", path, step)
+                shutil.rmtree(path, ignore_errors=True)
+
     def _prune(self) -> None:
-        versions = sorted((int(m.group(1)), path) for path in self.directory.iterdir()
-                          if (m := VERSION_DIR.fullmatch(path.name)))
-        for _, path in versions[: -self.keep]:
+        for _, path in self._versions()[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)

@@ -3,8 +3,9 @@
 It checks the config (`rlcli train`'s, ``data=stream``), starts a Redis server in ``<run dir>/redis``
 unless ``data.url`` names one, then ``sample.workers`` processes of `rlcli sample` (sampler ``i`` in
 ``<run dir>/sampler-<i>``, its index in ``RLCLI_SAMPLE_WORKER``) and one `rlcli train` in the run
-directory, all with the user's overrides. Every line they print appears prefixed with the process's
-name in its own colour. When the trainer exits, the samplers get a few seconds to see its final
+directory, all with the user's overrides (the samplers wait for this trainer's first announcement: the
+stream's last one, of a run that ended, is deleted first). Every line they print appears prefixed with
+the process's name in its own colour. When the trainer exits, the samplers get a few seconds to see its final
 announcement, the rest are stopped, and the loop exits with the trainer's code; SIGINT (Ctrl-C) or
 SIGTERM stops every process with a SIGTERM and exits 130. Each child leads its own process group,
 killed as a whole on the way out, and gets a SIGTERM if the loop itself dies.
@@ -154,6 +155,8 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
 
     from rlcli.commands.sample import WORKER_ENV
     from rlcli.conf.validate import validate_config
+    from rlcli.stream.connection import connect
+    from rlcli.stream.queue import withdraw_weights
     from rlcli.stream.server import EmbeddedRedis
 
     typed = validate_config(cfg, command="loop")  # data=stream; data.url null: the loop's own server
@@ -166,6 +169,9 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
             server = EmbeddedRedis(run_dir / "redis").start()
             url = server.url
             loop.say(f"Redis at {url} (data in {run_dir / 'redis'})")
+        conn = connect(url)
+        withdraw_weights(conn, typed.data.stream)  # a finished run's `final` would stop the new samplers at once
+        conn.close()
         passed = [o for o in overrides if not o.startswith("data.url=")]
         command = [sys.executable, "-m", "rlcli"]
         for i in range(typed.sample.workers):

@@ -41,6 +41,7 @@ from rlcli.data.schema import Rollout
 from rlcli.data.writers import to_record
 from rlcli.storage import keep_lines
 from rlcli.stream.connection import RedisConnection
+from rlcli.stream.ids import claim
 from rlcli.stream.queue import unread
 from rlcli.stream.records import check_record, decode, encode, rejected_key
 
@@ -253,7 +254,8 @@ class StreamReader:
                 for entry, fields in entries]
 
     def _accept(self, entry: str, fields: dict | None) -> Rollout | None:
-        """The entry's document, or None when it is rejected or deleted (then it is resolved)."""
+        """The entry's document, or None when it is rejected (a duplicate too: an earlier entry had its id,
+        `rlcli.stream.ids`) or deleted (then it is resolved)."""
         self.seen.add(entry)
         if not fields:  # trimmed or deleted while pending: nothing to train
             self.resolved.append(entry)
@@ -266,6 +268,11 @@ class StreamReader:
         except (ValueError, RecordError) as err:
             field, reason = (err.field, err.reason) if isinstance(err, RecordError) else (None, str(err))
             self._reject(entry, Rejection(source, field, reason, raw if isinstance(raw, dict) else None))
+            return None
+        first = claim(self.conn, self.options.stream, self.options.group, doc.id, entry)
+        if first != entry:
+            self._reject(entry, Rejection(source, "id", f"duplicate: {doc.id!r} is the id of entry {first} too, "
+                                          "read first (a stream id trains once per run)", raw))
             return None
         self.entry_of[doc.index] = entry
         return doc

@@ -8,7 +8,9 @@ trainer's `StreamReader` every entry it reads.
 
 Beside the stream ``S`` live ``S:rejected`` (records the trainer rejected, with the reason),
 ``S:weights`` (the trainer's newest published weights, as JSON) and, for an hour each,
-``S:pushed:<token>`` (the entry IDs of a `StreamWriter` batch, so that a retried batch adds nothing twice).
+``S:pushed:<token>`` (the entry IDs of a `StreamWriter` batch, so that a retried batch adds nothing twice);
+for each consumer group ``G``, ``S:ids:G`` (the ids it has read, `rlcli.stream.ids`) and ``S:trainer:G`` (the
+lease of its trainer, `rlcli.stream.lease`).
 """
 
 from __future__ import annotations

@@ -127,9 +127,9 @@ class SamplerWorker:
 
     def _back_pressure(self, announcement: dict) -> str | None:
         """Why a round pushed now would be too many or too stale for the trainer; None when it is not."""
-        queued = unread(self.conn, self.data.stream, self.data.group)
+        queued = self._unread()
         if queued > self.sample.max_queue:
-            return f"waiting: {queued} unread records, more than sample.max_queue={self.sample.max_queue}"
+            return f"waiting: more than sample.max_queue={self.sample.max_queue} unread records"
         trained, seen = announcement["version"], announcement.get("documents_seen", 0)
         if trained <= 0 or seen <= 0:
             return None  # no training rate known yet
@@ -177,10 +177,16 @@ class SamplerWorker:
         self._log_filtered(prefix, filtered)
         shaped = "".join(f", {name} {stats[name]:g}" if name in COUNTS else f", {name} {stats[name]:.3f}"
                          for name in ("reward/overlong", "truncated_fraction", *COUNTS) if name in stats)
-        log.info("sampler %d: round %d: v%d, reward %.3f%s, pushed %d records, %d unread", self.worker, round_,
+        queued = self._unread()
+        log.info("sampler %d: round %d: v%d, reward %.3f%s, pushed %d records, %s unread", self.worker, round_,
                  self.version, stats["reward"], shaped, len(records),
-                 unread(self.conn, self.data.stream, self.data.group))
+                 f"over {self.sample.max_queue}" if queued > self.sample.max_queue else queued)
         self.rounds += 1
+
+    def _unread(self) -> int:
+        """The records the trainer has still to read, counted up to ``sample.max_queue + 1`` (all that a sampler
+        decides on): the count costs the same whatever the backlog."""
+        return unread(self.conn, self.data.stream, self.data.group, at_most=self.sample.max_queue + 1)
 
     def _log_filtered(self, prefix: str, filtered: list[Rejection]) -> None:
         """Append the records of the round's dropped groups to ``rejected``, each with an id of its own (``x``

@@ -3,7 +3,8 @@
 Each process reads through the trainer's consumer group (`rlcli.stream.reader.StreamReader`); a batch
 is collected by `collect_batch` as for files (static, or ``docs_per_step``). The checkpoint holds the
 entries trained since the last acknowledgement, and `checkpoint_durable` acknowledges them, so a
-killed trainer resumed with ``resume=auto`` trains every record exactly once.
+killed trainer resumed with ``resume=auto`` trains every record exactly once. The run holds the group's lease
+(`rlcli.stream.lease`) from before its first read: a second trainer of the group is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import torch
 from rlcli.conf import build_target
 from rlcli.data.toy import VOCAB_SIZE as TOY_VOCAB_SIZE
 from rlcli.modules.metrics import Metric
+from rlcli.processes import launcher
 from rlcli.rollout.prompts import check_prompt_room
 from rlcli.stream.connection import connect
+from rlcli.stream.lease import GroupLease
+from rlcli.stream.queue import COUNTED
 from rlcli.stream.reader import ReaderOptions, StreamReader
 from rlcli.training import distributed
 from rlcli.training.collect import CollectedBatch, collect_batch
@@ -33,7 +37,7 @@ METRICS = {
     "staleness_max": Metric("data=stream", "`max_d (v − s_d)`: the largest staleness of the step's documents"),
     "stale_dropped": Metric("data=stream", "records dropped so far for a staleness above `data.max_lag`"),
     "queue_depth": Metric("data=stream", "records pushed and not yet trained or dropped (unread by the group, "
-                          "plus read ahead by the processes)"),
+                          f"counted up to {COUNTED}, plus read ahead by the processes)"),
     "wait_time": Metric("data=stream", "seconds the process waited on an empty stream while it built the step "
                         "(mean over processes)"),
     "reward": Metric("data=stream, records that carry a reward", "the mean reward of the step's records that "
@@ -44,8 +48,10 @@ METRICS = {
 class StreamSource(StepSource):
     """This process's batches from the stream, and the staleness and queue statistics of each."""
 
-    def __init__(self, reader: StreamReader, *, accumulate_microbatches: int, docs_per_step: int, exact: bool):
+    def __init__(self, reader: StreamReader, lease: GroupLease, *, accumulate_microbatches: int, docs_per_step: int,
+                 exact: bool):
         self.reader = reader
+        self.lease = lease
         self.accumulate_microbatches = accumulate_microbatches
         self.docs_per_step = docs_per_step
         self.exact = exact
@@ -53,6 +59,7 @@ class StreamSource(StepSource):
 
     def next_batch(self, index: int, device: torch.device) -> CollectedBatch:
         reader = self.reader
+        self.lease.check()
         collected = collect_batch(reader, accumulate_microbatches=self.accumulate_microbatches,
                                  docs_per_step=self.docs_per_step, exact=self.exact, device=device)
         documents = [doc for batch in collected.micro_batches for doc in batch.documents]
@@ -117,7 +124,9 @@ class StreamKind(DataKind):
 
     def source_factory(self, policy: torch.nn.Module) -> Callable[[int, int], StepSource]:
         cfg, data = self.cfg, self.cfg.data
-        connect(data.url).close()  # fail before training starts when nothing answers
+        conn = connect(data.url)  # fails before training starts when nothing answers
+        # before the first read, and in the run's first process before it starts the others: only it renews
+        lease = GroupLease(conn, data.stream, data.group, self.run_dir, renew=launcher() is None).take()
         options = ReaderOptions(
             stream=data.stream, group=data.group, max_tokens=data.max_tokens, vocab_size=policy.config.vocab_size,
             max_lag=data.max_lag, temperature=cfg.loss.temperature,
@@ -129,7 +138,7 @@ class StreamKind(DataKind):
         def make_source(rank: int, world_size: int) -> StreamSource:
             rejected = "rejected.jsonl" if world_size == 1 else f"rejected.rank{rank}.jsonl"
             reader = StreamReader(connect(data.url), options, f"rank{rank}", self.run_dir / rejected)
-            return StreamSource(reader, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
+            return StreamSource(reader, lease, accumulate_microbatches=cfg.trainer.accumulate_microbatches,
                                 docs_per_step=cfg.trainer.docs_per_step,
                                 exact=cfg.trainer.docs_per_step_mode == "exact")
 

@@ -276,7 +276,7 @@ def read_through_group(conn, count: int) -> None:
 def test_back_pressure_holds_rounds_until_the_trainer_reads(redis_url, tmp_path, caplog, limit):
     conn = connect(redis_url)
     if limit == "max_queue":  # 4 unread > max_queue 3
-        options, filled, read, message = {"max_queue": 3}, 4, 4, "4 unread records, more than sample.max_queue=3"
+        options, filled, read, message = {"max_queue": 3}, 4, 4, "more than sample.max_queue=3 unread records"
         announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
     else:  # trainer at v2 after 16 documents (8 per version): 12 unread reach it at v3.5, 1.5 > max_lag 1
         options, filled, read, message = {"max_lag": 1}, 12, 8, "would reach the trainer at about v3.5"
