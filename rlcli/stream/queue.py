@@ -46,6 +46,12 @@ def announce_weights(conn: RedisConnection, stream: str, announcement: dict[str,
     conn.call("set", weights_key(stream), json.dumps(announcement))
 
 
+def withdraw_weights(conn: RedisConnection, stream: str) -> None:
+    """Forget ``stream``'s announcement (of a trainer that ended, maybe ``final``): samplers started now wait
+    for the announcement of the trainer starting with them."""
+    conn.call("delete", weights_key(stream))
+
+
 def newest_weights(conn: RedisConnection, stream: str) -> dict[str, Any] | None:
     """The trainer's latest announcement, or None before its first."""
     raw = conn.call("get", weights_key(stream))
