@@ -122,7 +122,7 @@ def load_frozen_model(key: str, path: str, cfg: TrainConfig, policy: torch.nn.Mo
         kind="hf", path=path, dtype=model.dtype, gradient_checkpointing=False,
         attn_implementation=model.attn_implementation, trust_remote_code=getattr(model, "trust_remote_code", False),
         suggested_lr=model.suggested_lr,
-    ))
+    ), key=key)
     if frozen.config.vocab_size != policy.config.vocab_size:
         student = model.path if model.kind == "hf" else "model=tiny"
         raise UserError(f"{key}: {path} has {frozen.config.vocab_size} token ids, the policy ({student}) "

@@ -1,7 +1,7 @@
 """SIGTERM (preemption), SIGUSR1 and SIGUSR2 (time-limit warnings) and SIGINT (Ctrl-C) in `rlcli train`.
 
-One mechanism in every process of a run: a signal never interrupts the code where it is (no
-KeyboardInterrupt inside a collective, no handler of Lightning's). The command holds the signals
+One mechanism in every process of a run: a signal never interrupts the code where it is, except a
+step's rewards (no KeyboardInterrupt inside a collective, no handler of Lightning's). The command holds the signals
 (`hold`) until `RunSignals` takes them for the run; its thread then learns of each at once, even
 while the main thread is blocked in C waiting for the other processes, and acts by the run's phase:
 
@@ -9,10 +9,14 @@ while the main thread is blocked in C waiting for the other processes, and acts 
   process exits at once with the signal's code. A process that rank 0 started passes the signal on to
   rank 0 instead, and ends with it (`rlcli.processes`).
 - training: the step in progress finishes (one waiting for data ends with what it has), then every
-  process saves and stops (`rlcli.callbacks.preemption.StopOnSignal`).
+  process saves and stops (`rlcli.callbacks.preemption.StopOnSignal`). A step whose rewards
+  (`interruptible` code: the rewards in this process, or the wait for the reward pool) are still
+  running `REWARDS_GRACE` seconds after the signal (or after they started, if later), or when a
+  second signal comes, is abandoned instead: `StepInterrupted` is raised there, in the main thread,
+  and the run ends without a checkpoint of that step (a reward that hangs cannot stop the run).
 - finishing (the final checkpoint, the export): the run finishes as it would have.
 
-A second signal changes nothing: it says that the first is being acted on.
+A second signal changes nothing but that (it says that the first is being acted on).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 from rlcli.processes import launcher
@@ -35,6 +41,7 @@ TIME_LIMIT = signal.SIGUSR2  # the warning before a job's time limit, as submiti
 # TIME_LIMIT too, after which `rlcli train` hands a Slurm job over to its requeue (`rlcli.slurm.requeue`)
 EXIT_CODES = {signal.SIGTERM: 143, signal.SIGUSR1: 143, TIME_LIMIT: 140, signal.SIGINT: 130}
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
+REWARDS_GRACE = 5.0  # seconds a step's rewards may go on after a signal before the step is abandoned
 
 
 def hold() -> None:
@@ -43,8 +50,28 @@ def hold() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, set(EXIT_CODES))
 
 
-def _ignore(signum, frame) -> None:
-    """The Python-level handler: the signal was already seen by `RunSignals`'s thread."""
+class StepInterrupted(BaseException):  # not an Exception: no reward's ``except Exception`` takes it
+    """A signal in training ended the step in progress where it was `interruptible`; ``code`` is the signal's
+    exit code."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signum, self.code = signum, EXIT_CODES[signum]
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """A step's code that a signal in training may end (`StepInterrupted`): its rewards. Only in the main
+    thread of a run; elsewhere nothing changes."""
+    run = RunSignals.active
+    if run is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    run.rewards_since = time.monotonic()
+    try:
+        yield
+    finally:
+        run.rewards_since = None
 
 
 class RunSignals:
@@ -58,12 +85,15 @@ class RunSignals:
         self.at_time_limit = at_time_limit
         self.phase = STARTING
         self.exit_code: int | None = None  # that of the first signal this process received
+        self.first_signal: signal.Signals | None = None
+        self.rewards_since: float | None = None  # when the main thread entered `interruptible` code; None: out
+        self.abandoning = False  # the step in progress ends at once where it is interruptible
         self.interrupt: Callable[[], None] = lambda: None  # ends a wait for data (the step source's)
 
     def __enter__(self) -> RunSignals:
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)
-        self._previous = {s: signal.signal(s, _ignore) for s in EXIT_CODES}
+        self._previous = {s: signal.signal(s, self._in_main_thread) for s in EXIT_CODES}
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, args=(read,), name="rlcli-signals", daemon=True)
         self._thread.start()
@@ -80,6 +110,12 @@ class RunSignals:
         os.close(self._write)  # the thread reads the end of the pipe and returns
         self._thread.join()
 
+    def _in_main_thread(self, signum: int, frame) -> None:
+        """The Python-level handler: `RunSignals`'s thread acts on the signal; here, `interruptible` code ends
+        once the step is being abandoned."""
+        if self.abandoning and self.rewards_since is not None:
+            raise StepInterrupted(self.first_signal)
+
     def _watch(self, read: int) -> None:
         """The thread: Python writes the number of every signal it catches into the pipe."""
         with os.fdopen(read, "rb", buffering=0) as pipe:
@@ -89,18 +125,40 @@ class RunSignals:
                         self._act(signal.Signals(number))
 
     def _act(self, signum: signal.Signals) -> None:
+        if self.abandoning:
+            return  # the signal `_abandon` sent, or one more while the step is abandoned
         first = self.exit_code is None
         self.exit_code = self.exit_code or EXIT_CODES[signum]
+        self.first_signal = self.first_signal or signum
         if self.phase == STARTING:
             self._end_start_up(signum)
             return
         if self.phase == TRAINING:
             self.interrupt()
             message = "stopping after this step, with a checkpoint" if first else "already stopping after this step"
+            if first:
+                threading.Thread(target=self._abandon_rewards_that_hang, args=(time.monotonic(),),
+                                 name="rlcli-rewards-grace", daemon=True).start()
+            elif self.rewards_since is not None:
+                self._abandon()
         else:
             message = "training is over; the run ends once its files are written"
         if launcher() is None:  # rank 0 speaks for the run
             log.warning("%s: %s", signum.name, message)
+
+    def _abandon_rewards_that_hang(self, signalled: float) -> None:
+        """A thread: abandons the step if its rewards run `REWARDS_GRACE` seconds past the signal or their start."""
+        while RunSignals.active is self and self.phase == TRAINING and not self.abandoning:
+            since = self.rewards_since
+            if since is not None and time.monotonic() - max(signalled, since) >= REWARDS_GRACE:
+                self._abandon()
+            time.sleep(0.1)
+
+    def _abandon(self) -> None:
+        """Make the main thread raise `StepInterrupted` in its `interruptible` code: a signal sent to that thread
+        wakes it from a wait (a sleep, a lock) and runs `_in_main_thread` there."""
+        self.abandoning = True
+        signal.pthread_kill(threading.main_thread().ident, self.first_signal)
 
     def _end_start_up(self, signum: signal.Signals) -> None:
         """Nothing to save yet: pass the signal on to rank 0, whose end ends this process, or exit now (a job at

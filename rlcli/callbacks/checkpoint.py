@@ -23,7 +23,9 @@ def save_atomically(trainer: L.Trainer, path: Path) -> None:
     module once it is durable (on disk, renamed, on every rank). A storage failure raises
     `StorageError` on every rank and leaves the previous checkpoints as they were."""
     partial = path.with_name(path.name + ".tmp")
-    trainer.save_checkpoint(partial)  # every rank takes part; rank 0 writes (RunDirCheckpointIO)
+    # every rank takes part; rank 0 writes (RunDirCheckpointIO); the full state (optimizer, loops, callbacks),
+    # said outright: Lightning logs that it defaults to it at every save otherwise
+    trainer.save_checkpoint(partial, weights_only=False)
     failure = None
     if trainer.is_global_zero:
         failure = trainer.strategy.checkpoint_io.take_failure()

@@ -70,7 +70,11 @@ class WeightPublisher(L.Callback):
         trainer = module.trainer
         if version != self.published:
             partial = self.directory / f".v{version}.partial"
-            export_policy(module, trainer, partial, self.model_cfg)
+            try:
+                export_policy(module, trainer, partial, self.model_cfg)
+            except Exception:  # a full disk: the half-written version goes, the run ends with the message
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
             if trainer.is_global_zero:
                 target = self.directory / f"v{version}"
                 shutil.rmtree(target, ignore_errors=True)  # a resumed run publishes its version again

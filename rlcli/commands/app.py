@@ -41,6 +41,7 @@ from rlcli.storage import REFUSED_BY_STORAGE
 
 log = logging.getLogger("rlcli")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # Hydra's default: a grid, no values
+_PACKAGE_DIR = str(Path(__file__).parent.parent) + os.sep  # rlcli's own files, as its warnings name them
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class HydraApp:
         self.started = True
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         status = "failed"
+        _own_lines_on_the_console()
         try:
             value = self._member(cfg, run_dir) if _optimising(HydraConfig.get()) else self._run(cfg, run_dir)
             status = "done"
@@ -159,6 +161,7 @@ class HydraApp:
             status = f"failed: {one_line(user_error(err) or f'{type(err).__name__}: {err}')}"
             raise
         finally:
+            logging.captureWarnings(False)
             finish_manifest(run_dir, status)
 
     def _run(self, cfg: DictConfig, run_dir: Path) -> float | None:
@@ -197,6 +200,27 @@ class HydraApp:
         if result.value is None:
             raise MemberFailed(f"{run_dir}: {result.failed}")
         return result.value
+
+
+def _own_lines(record: logging.LogRecord) -> bool:
+    """The console's filter: rlcli's lines (and Hydra's, a sweep's), the warnings raised in rlcli's code (a
+    captured warning's text starts with the file that raised it), and anyone's errors."""
+    if record.name == "py.warnings":
+        return record.getMessage().startswith(_PACKAGE_DIR)
+    return record.name.split(".", 1)[0] in ("rlcli", "hydra") or record.levelno >= logging.ERROR
+
+
+def _own_lines_on_the_console() -> None:
+    """The job's console shows `_own_lines`; the other libraries' lines and Python warnings (transformers'
+    deprecations, Lightning's tips and hints) go to the run's log file only (Hydra's file handler)."""
+    from transformers.utils import logging as transformers_logging
+
+    logging.captureWarnings(True)  # warnings.warn: to the logger py.warnings, not to stderr
+    transformers_logging.disable_default_handler()  # transformers' own stderr handler: its lines go to the root's
+    transformers_logging.enable_propagation()
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler) and _own_lines not in handler.filters:
+            handler.addFilter(_own_lines)
 
 
 def _optimising(hydra_cfg: DictConfig) -> bool:

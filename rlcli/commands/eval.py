@@ -27,11 +27,14 @@ USAGE = "rlcli eval MODEL_DIR [HYDRA OVERRIDES]"
 
 def model_overrides(args: list[str]) -> list[str]:
     """``args`` (``MODEL_DIR`` first) as Hydra overrides: the directory becomes ``model=hf model.path=...``.
-    Options (``--help``, ``--cfg job``) pass through; no directory is a `UserError`."""
+    Options (``--help``, ``--cfg job``) pass through; no directory, or one that does not exist, is a `UserError`."""
     if args and args[0].startswith("-"):
         return list(args)
     if not args or ("=" in args[0] and not Path(args[0]).expanduser().exists()):
         raise UserError(f"give the model directory first: {USAGE}")
+    if not Path(args[0]).expanduser().is_dir():  # else the tokenizer's loader takes it for a Hub repo id
+        raise UserError(f"{args[0]}: no such model directory (a local Hugging Face model directory; "
+                        f"Hub names are not fetched): {USAGE}")
     path = str(Path(args[0]).expanduser().resolve()).replace("'", "\\'")
     return ["model=hf", f"model.path='{path}'", *args[1:]]
 

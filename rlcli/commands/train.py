@@ -60,6 +60,7 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     from rlcli.callbacks.resume import resume_point
     from rlcli.loggers import finish_loggers
     from rlcli.processes import saying_what_it_waits_for
+    from rlcli.signals import StepInterrupted
     from rlcli.training.export import export_policy
 
     resume = resume_point(cfg.resume, run_dir, OmegaConf.to_container(resolved), cfg.trainer.max_steps)
@@ -71,8 +72,13 @@ def _train_locked(cfg, resolved: DictConfig, run_dir: Path):
     if resume.path is not None and trainer.is_global_zero:
         log.info("resuming from %s (run %s)", resume.path, resume.run.id)
     try:
-        with saying_what_it_waits_for(trainer):
-            trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
+        try:
+            with saying_what_it_waits_for(trainer):
+                trainer.fit(module, train_dataloaders=_step_ticks(), ckpt_path=resume.path, weights_only=True)
+        except StepInterrupted as stop:
+            log.warning("%s: the rewards of step %d did not end, so the step was abandoned and is not saved; "
+                        "resume=auto continues from the last checkpoint", stop.signum.name, module.steps_done + 1)
+            raise
         if stop_code(trainer) is not None:
             if trainer.is_global_zero:
                 log.warning("stopped by a signal after step %d; checkpoint saved, continue with resume=auto",
@@ -95,12 +101,16 @@ def app(cfg: DictConfig, run_dir: Path) -> int | Score:
     from rlcli.manifest import is_rank_zero
     from rlcli.objective import record_failure
     from rlcli.processes import wait_for_launched
-    from rlcli.signals import RunSignals
+    from rlcli.signals import RunSignals, StepInterrupted
     from rlcli.slurm.requeue import requeue
 
     with RunSignals(at_time_limit=requeue):  # before the heavy imports: signals act from here on
         try:
             module = train(cfg, run_dir)
+        except StepInterrupted as stop:  # the processes of the run that got the signal end alike
+            if is_rank_zero():
+                record_failure(run_dir, f"stopped by a signal (exit code {stop.code}) while a step's rewards ran")
+            return stop.code
         except Exception as err:
             if is_rank_zero():
                 record_failure(run_dir, one_line(user_error(err) or f"{type(err).__name__}: {err}"))

@@ -29,9 +29,11 @@ def tiny_model_config(cfg: TinyModelConfig, default_vocab_size: int = 64):
     )
 
 
-def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int = 64) -> torch.nn.Module:
+def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int = 64,
+                 key: str = "model.path") -> torch.nn.Module:
     """The causal LM described by ``cfg.model`` (seed the RNG first for a reproducible tiny model);
-    a tiny model with ``vocab_size: null`` gets ``default_vocab_size`` ids."""
+    a tiny model with ``vocab_size: null`` gets ``default_vocab_size`` ids. ``key`` is the config key of
+    the checkpoint's path that errors name (``kl.reference`` for a reference model)."""
     from transformers import AutoModelForCausalLM
 
     if cfg.attn_implementation == varlen_attention.NAME:
@@ -41,7 +43,7 @@ def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int =
     else:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
-            raise UserError(f"model.path: {path} is not a Hugging Face checkpoint directory (no config.json)")
+            raise UserError(f"{key}: {path} is not a Hugging Face checkpoint directory (no config.json)")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path,
@@ -50,7 +52,7 @@ def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int =
                 trust_remote_code=cfg.trust_remote_code,
             )
         except (OSError, ValueError) as err:
-            raise UserError(f"model.path: cannot load {path}: {err}") from None
+            raise UserError(f"{key}: cannot load {path}: {err}") from None
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise UserError("model: LM heads with a bias are not supported (rlcli computes the head itself)")

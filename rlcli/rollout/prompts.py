@@ -3,7 +3,8 @@ verifiable rewards.
 
 A record (a JSON line, a Parquet row) holds ``prompt`` (text, or chat messages
 ``[{"role": ..., "content": ...}, ...]``), ``answer`` (text or a number; optional when no reward
-needs one) and any other fields, which the rewards get as keywords (`rlcli.rollout.rewards`).
+needs one) and any other fields, which the rewards get as keywords (`rlcli.rollout.rewards`), except
+``completion``: the rewards get the sampled text under that name, so a record holding it is refused.
 
 How a prompt becomes tokens (as in TRL's trainers, whose datasets look the same):
 
@@ -48,6 +49,7 @@ from rlcli.rollout.tasks import Prompt, Score
 __all__ = ["ROLES", "HFTokenizer", "PromptsTask"]
 
 ROLES = ("system", "user", "assistant", "tool")
+RESERVED_FIELD = "completion"  # the rewards' first argument: a record's field of that name would collide with it
 # The files a local tokenizer directory holds one of; without any, transformers would build an empty
 # tokenizer from config.json alone.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -339,6 +341,9 @@ class PromptsTask:
         """The `Prompt` of one record; a `RecordError` naming ``source`` and the field if it is bad."""
         if "prompt" not in record:
             raise RecordError(source, "prompt", "missing")
+        if RESERVED_FIELD in record:
+            raise RecordError(source, RESERVED_FIELD, "is the name the rewards get the sampled completion's text "
+                                                      "under; a record cannot give it (rename the field)")
         value, answer = record["prompt"], record.get("answer")
         if answer is not None and not isinstance(answer, str):
             if not (_is_number(answer) and math.isfinite(answer)):

@@ -45,6 +45,7 @@ from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
 from rlcli.modules.registry import Registry
 from rlcli.rollout.tasks import Prompt, Score
+from rlcli.signals import interruptible
 
 if TYPE_CHECKING:
     from rlcli.rollout.reward_pool import RewardPool
@@ -259,12 +260,12 @@ def term_values(term: RewardTerm, completions: Sequence[str], contexts: Sequence
         values = term.fn(list(completions), **{key: [c.get(key) for c in contexts] for key in keys})
         if isinstance(values, str | bytes) or not isinstance(values, Sequence) or len(values) != len(completions):
             raise ValueError(f"returned {values!r:.80}, not a list of {len(completions)} values")
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a reward's sys.exit() is its failure, not the run's end
         return [(0.0, _reason(err))] * len(completions)
     return [_checked(value) for value in values]
 
 
-def _reason(err: Exception) -> str:
+def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
@@ -278,7 +279,7 @@ def _checked(value: Any) -> tuple[float, str | None]:
 def _call(fn: RewardFn, completion: str, context: Mapping[str, Any]) -> tuple[float, str | None]:
     try:
         value = fn(completion, **context)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a reward's sys.exit() is its failure, not the run's end
         return 0.0, _reason(err)
     return _checked(value)
 
@@ -319,12 +320,13 @@ class RewardSet:
         if len(completions) != len(prompts):
             raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts")
         contexts = [{**p.fields, "answer": p.answer, "prompt": p.text} for p in prompts]
-        pooled = self.pool.submit(completions, contexts) if self.pool is not None else None
-        columns = [term_values(term, completions, contexts) for term in self.terms
-                   if pooled is None or term.in_process]
-        if pooled is not None:  # the pool's columns back in the terms' order
-            inline, from_pool = iter(columns), iter(pooled())
-            columns = [next(inline) if term.in_process else next(from_pool) for term in self.terms]
+        with interruptible():  # a signal ends a reward that hangs, or the wait for the pool
+            pooled = self.pool.submit(completions, contexts) if self.pool is not None else None
+            columns = [term_values(term, completions, contexts) for term in self.terms
+                       if pooled is None or term.in_process]
+            if pooled is not None:  # the pool's columns back in the terms' order
+                inline, from_pool = iter(columns), iter(pooled())
+                columns = [next(inline) if term.in_process else next(from_pool) for term in self.terms]
         scores = []
         for results in zip(*columns):  # one completion's (value, reason) of each term
             values = [value for value, _ in results]
@@ -334,8 +336,12 @@ class RewardSet:
                 if reason is not None:
                     count, first = self._failures.get(term.name, (0, reason))
                     self._failures[term.name] = (count + 1, first)
-            scores.append(Score(reward=sum(term.weight * value for term, value in zip(self.terms, values)),
-                                correct=self._is_correct(values),
+            reward = sum(term.weight * value for term, value in zip(self.terms, values))
+            if not math.isfinite(reward):  # finite values whose weighted sum overflows
+                terms = ", ".join(f"{t.name} {v:g} x weight {t.weight:g}" for t, v in zip(self.terms, values))
+                raise UserError(f"task.rewards: the weighted sum of the rewards of a completion is {reward} ({terms}); "
+                                "it must be a finite number: lower the weights or the values")
+            scores.append(Score(reward=reward, correct=self._is_correct(values),
                                 terms={term.name: value for term, value in zip(self.terms, values)}))
         return scores
 

@@ -116,6 +116,12 @@ class VLLMEngine:
         config = copy.deepcopy(policy.config)
         config.architectures = [type(policy).__name__]
         engine = cls(config, options)
+        if engine.llm.model_config.using_transformers_backend():
+            engine.close()  # its Transformers backend changes the model classes this process trains with
+            raise UserError(f"rollout.engine=vllm: vLLM has no model of its own for {type(policy).__name__} and runs "
+                            "it through its Transformers backend, which cannot share a process with the trainer; "
+                            "sample in processes of their own (`rlcli loop rollout.engine=vllm`) or with "
+                            "rollout.engine=hf")
         engine.load_weights(policy.named_parameters())
         return engine
 
@@ -137,5 +143,11 @@ class VLLMEngine:
         """vLLM's ``RequestOutput`` of each prompt (token ids) under its ``SamplingParams``, in order."""
         from vllm.inputs import TokensPrompt
 
+        limit = self.llm.model_config.max_model_len
+        longest = max(map(len, prompts), default=0)
+        if longest >= limit:  # vLLM would refuse the request with a traceback
+            raise UserError(f"rollout.vllm.max_model_len: a prompt of {longest} tokens leaves no room for a completion "
+                            f"in the engine's {limit} tokens (rollout.vllm.max_model_len, by default the model's "
+                            "max_position_embeddings); raise it, or lower task.max_prompt_tokens")
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         return self.llm.generate(requests, list(params), use_tqdm=False)

@@ -8,6 +8,7 @@ restart), and counts the reconnections so a reader can re-check what it may have
 from __future__ import annotations
 
 import logging
+import re
 import time
 from urllib.parse import urlparse
 
@@ -26,6 +27,26 @@ TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 class StreamUnavailable(UserError):
     """The Redis server went away and did not come back in time."""
+
+
+class StreamRefused(UserError):
+    """The Redis server answers but cannot serve the stream: it cannot write its data (``MISCONF``: a full
+    disk), or the stream's consumer group is gone (``NOGROUP``: a server without persistence restarted)."""
+
+
+def _refusal(url: str, err: redis.ResponseError) -> StreamRefused | None:
+    """The `StreamRefused` that ``err`` (a Redis error reply) means, or None for any other reply."""
+    found = re.search(r"\b(MISCONF|NOGROUP)\b", str(err))  # where a script's error quotes the reply, too
+    code = found and found.group(1)
+    if code == "MISCONF":
+        return StreamRefused(f"data.url: Redis at {url} cannot write its data to disk and refuses writes ({err}); "
+                             "free space where it keeps them (its --dir, for `rlcli loop` the run directory's redis/) "
+                             "and run again")
+    if code == "NOGROUP":
+        return StreamRefused(f"data.url: the stream's consumer group is gone from Redis at {url} ({err}): the server "
+                             "lost its data, e.g. it restarted without persistence (appendonly); what it held is lost, "
+                             "start the run again with a server that keeps its data")
+    return None
 
 
 def check_url(url: str, key: str = "data.url") -> str:
@@ -52,6 +73,13 @@ class RedisConnection:
         while True:
             try:
                 result = getattr(self.client, command)(*args, **kwargs)
+            except redis.AuthenticationError as err:  # a ConnectionError, but no restart: the password changed
+                raise UserError(f"data.url: Redis at {masked(self.url)} refused the password: {err}") from None
+            except redis.ResponseError as err:
+                refusal = _refusal(masked(self.url), err)
+                if refusal is None:
+                    raise
+                raise refusal from None
             except TRANSIENT as err:
                 now = time.monotonic()
                 if deadline is None:
@@ -83,10 +111,14 @@ def connect(url: str, key: str = "data.url") -> RedisConnection:
         try:
             client.ping()
             return RedisConnection(url, client)
+        except redis.AuthenticationError as err:  # a ConnectionError: it must not read as "no server answers"
+            raise UserError(f"{key}: Redis at {masked(url)} refused the password: {err}; give the server's "
+                            "password in the URL (redis://:PASSWORD@host:port/db)") from None
         except TRANSIENT as err:
             if time.monotonic() > deadline:
                 raise UserError(f"{key}: no Redis server answers at {masked(url)} ({err}); start one, or let "
                                 "`rlcli loop` start its own") from None
             time.sleep(BACKOFF_FIRST)
-        except redis.RedisError as err:  # e.g. a password is needed, or the db number is out of range
-            raise UserError(f"{key}: Redis at {masked(url)} refused the connection: {err}") from None
+        except redis.RedisError as err:  # e.g. the db number is out of range, or MISCONF (it refuses even a PING)
+            refusal = _refusal(masked(url), err) if isinstance(err, redis.ResponseError) else None
+            raise refusal or UserError(f"{key}: Redis at {masked(url)} refused the connection: {err}") from None

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 from pathlib import Path
 
 from rlcli.errors import UserError
+from rlcli.storage import REFUSED_BY_STORAGE, storage_error
 from rlcli.training import distributed
 
 
@@ -12,7 +16,7 @@ def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
     """Write the trained policy in Hugging Face format (safetensors), gathered from every shard.
 
     Called on every rank. Policy weights that hold a NaN or an infinity are never written: every
-    rank raises `UserError` instead.
+    rank raises `UserError` instead. A storage that refuses the files (a full disk) is a `StorageError`.
     """
     from rlcli.model.policy import save_tokenizer_if_any
 
@@ -26,5 +30,22 @@ def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
 
         transformers_logging.disable_progress_bar()
         state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
-        module.policy.save_pretrained(export_dir, state_dict=state)
-        save_tokenizer_if_any(model_cfg, export_dir)
+        try:
+            module.policy.save_pretrained(export_dir, state_dict=state)
+            save_tokenizer_if_any(model_cfg, export_dir)
+        except Exception as err:
+            refused = _refused_by_storage(err)
+            if refused is None:
+                raise
+            raise storage_error(export_dir, refused) from None
+
+
+def _refused_by_storage(err: Exception) -> OSError | None:
+    """The `OSError` of a write the storage refused (`rlcli.storage.REFUSED_BY_STORAGE`), from Python's
+    own or from safetensors' error, which only quotes it (``I/O error: No space left on device (os error 28)``);
+    else None."""
+    if isinstance(err, OSError):
+        return err if err.errno in REFUSED_BY_STORAGE else None
+    quoted = re.search(r"\(os error (\d+)\)", str(err)) if type(err).__name__ == "SafetensorError" else None
+    code = int(quoted.group(1)) if quoted else errno.EIO
+    return OSError(code, os.strerror(code)) if code in REFUSED_BY_STORAGE else None

@@ -82,6 +82,15 @@ def test_eval_without_a_model_directory_exits_2(args, capsys):
         "rlcli eval: error: give the model directory first: rlcli eval MODEL_DIR [HYDRA OVERRIDES]\n")
 
 
+def test_eval_of_a_directory_that_does_not_exist_says_so(tmp_path, capsys):
+    """Before the fix the path went on to the tokenizer's loader, which said "Repo id must be in the form"."""
+    missing = tmp_path / "missing"
+    assert main(["eval", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"rlcli eval: error: {missing}: no such model directory (a local Hugging Face model directory; Hub names "
+        "are not fetched): rlcli eval MODEL_DIR [HYDRA OVERRIDES]\n")
+
+
 @pytest.mark.parametrize("case, message", [
     ("not a model", "rlcli eval: error: model.path: {dir} is not a Hugging Face checkpoint directory (no config.json)"),
     ("no task", "rlcli eval: error: Invalid configuration (1 problem):\n"

@@ -148,6 +148,39 @@ def test_a_head_size_that_vllm_cannot_run_on_cpu_is_a_user_error(engine):
         VLLMEngine.for_policy(tiny_policy(num_heads=4), OPTIONS)
 
 
+def test_a_prompt_longer_than_the_engines_max_model_len_is_a_user_error(engine):
+    """The tiny policy's 64 positions: vLLM itself raised its VLLMValidationError (a traceback) before the fix."""
+    with pytest.raises(UserError, match=r"^rollout\.vllm\.max_model_len: a prompt of 64 tokens leaves no room for a "
+                                        r"completion in the engine's 64 tokens"):
+        sampler(engine, None).sample([[2] * 64, [2, 3]], max_new_tokens=4, stop_ids=(EOS,),
+                                     pad_id=TASK.tokenizer.pad_id, generator=torch.Generator().manual_seed(0))
+
+
+TRANSFORMERS_BACKEND = """
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from rlcli.errors import UserError
+from rlcli.rollout.vllm_engine import VLLMEngine
+
+config = GPTNeoXConfig(vocab_size=32, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
+                       intermediate_size=128, max_position_embeddings=64)
+try:
+    VLLMEngine.for_policy(GPTNeoXForCausalLM(config), {"dtype": "float32", "enforce_eager": True})
+except UserError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow
+def test_a_colocated_engine_refuses_a_model_vllm_runs_through_its_transformers_backend():
+    """GPT-NeoX has no vLLM model of its own (as BioGPT): before the check the engine was built and the
+    trainer's forward broke later. In a process of its own: the module's engine stays alone in this one."""
+    require_vllm()
+    result = subprocess.run([sys.executable, "-c", TRANSFORMERS_BACKEND], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("rollout.engine=vllm: vLLM has no model of its own for GPTNeoXForCausalLM and "
+                                    "runs it through its Transformers backend"), result.stdout + result.stderr[-3000:]
+
+
 def test_eval_with_rollout_engine_vllm_samples_with_vllm(engine, tmp_path, monkeypatch):
     """`rlcli eval MODEL_DIR rollout.engine=vllm` (in this process): the sampler factory builds its engine for
     the model (here the module's engine, given the model's weights: a second engine in one process would

@@ -196,6 +196,21 @@ def test_a_teacher_with_another_vocabulary_is_an_error_naming_both(tmp_path):
     assert all(part in message for part in (str(teacher), "40", str(VOCAB), "model=tiny"))
 
 
+def test_a_bad_kl_reference_is_named_as_kl_reference_not_model_path(tmp_path):
+    """Before the fix both messages began with "model.path:", the key of the policy the user had right."""
+    from rlcli.build import build_reference
+
+    typed = validate_config(compose_train_config(["kl.coef=0.1", f"kl.reference={tmp_path / 'missing'}"]))
+    with pytest.raises(UserError) as info:
+        build_reference(typed, tiny_policy(VOCAB))
+    assert str(info.value).startswith(f"kl.reference: {tmp_path / 'missing'} is not a Hugging Face checkpoint")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    typed = validate_config(compose_train_config(["kl.coef=0.1", f"kl.reference={tmp_path / 'broken'}"]))
+    with pytest.raises(UserError, match=rf"^kl\.reference: cannot load {tmp_path / 'broken'}: "):
+        build_reference(typed, tiny_policy(VOCAB))
+
+
 def test_kl_reference_at_the_teacher_path_is_the_same_model(tmp_path, monkeypatch):
     from rlcli.build import build_reference, build_teacher
 

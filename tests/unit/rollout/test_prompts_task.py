@@ -230,6 +230,18 @@ def test_broken_records_are_all_reported_in_one_error_by_file_and_line(tmp_path,
     assert f"{jsonl}:5" not in message and f"{parquet}:row 0" not in message
 
 
+def test_a_record_with_a_completion_field_is_refused_not_scored_zero(tmp_path, tokenizer_dir):
+    """TRL's layout ({prompt, completion}): the field would collide with the completion the rewards get, so
+    every completion scored 0 (a TypeError each); without the check this builds and the test fails."""
+    path = write_jsonl(tmp_path / "trl.jsonl", [{"prompt": "3+4=", "answer": "7"},
+                                                {"prompt": "3+4=", "answer": "7", "completion": "7"}])
+    with pytest.raises(UserError) as caught:
+        task_of(tokenizer_dir, [path])
+    assert f"{path}:2: field 'completion': is the name the rewards get the sampled completion's text under" \
+        in str(caught.value)
+    assert f"{path}:1" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("paths", "match"),
     [([], "task.paths: give the prompt files"), (["missing.jsonl"], "task.paths: missing.jsonl: no such file")],

@@ -186,6 +186,15 @@ def user_module(tmp_path, monkeypatch):
         def is_list(completion, *, items):
             return float(type(items) is list)
 
+        def quits(completion):
+            raise SystemExit(3)
+
+        def batch_quits(completions):
+            raise SystemExit("bye")
+
+        def huge(completion):
+            return 1e308
+
         def typed(completion):
             return {"str": "1.0", "bool": True, "none": None}.get(completion, 1)
 
@@ -246,6 +255,25 @@ def test_only_finite_real_numbers_are_values(user_module):
     rewards = build_rewards([{"_target_": f"{user_module}.typed"}])
     assert [score(rewards, c) for c in ("str", "bool", "none", "int")] == [0.0, 0.0, 0.0, 1.0]
     assert rewards.take_stats() == {"reward/typed": 0.25, "reward_errors": 3.0}
+
+
+def test_a_reward_raising_system_exit_in_the_training_process_is_a_failure_not_the_end(user_module):
+    """With task.reward_workers=0 (build_rewards' default) the terms run here: a SystemExit that escaped
+    would end this test (and a run, silently, with the reward's code)."""
+    rewards = build_rewards([{"name": "regex", "pattern": "o"}, {"_target_": f"{user_module}.quits"},
+                             {"_target_": f"{user_module}.batch_quits", "batched": True}], workers=0)
+    assert [s.terms for s in rewards.score_batch(["ok", "no"], [Prompt(text="Q", ids=(1,), answer=None)] * 2)] == \
+        [{"regex": 1.0, "quits": 0.0, "batch_quits": 0.0}] * 2
+    assert rewards.take_stats()["reward_errors"] == 4.0
+
+
+def test_a_weighted_sum_that_overflows_is_one_user_error(user_module):
+    """1e308 x weight 10 is inf, though each value and weight is finite; without the check the step would
+    get an infinite reward (and NaN advantages)."""
+    rewards = build_rewards([{"_target_": f"{user_module}.huge", "weight": 10.0}])
+    with pytest.raises(UserError, match=r"^task\.rewards: the weighted sum of the rewards of a completion is inf "
+                                        r"\(huge 1e\+308 x weight 10\); it must be a finite number"):
+        score(rewards, "x")
 
 
 def test_a_batched_target_gets_the_batch_as_lists(user_module):
