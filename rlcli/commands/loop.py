@@ -8,7 +8,13 @@ stream's last one, of a run that ended, is deleted first). Every line they print
 the process's name in its own colour. When the trainer exits, the samplers get a few seconds to see its final
 announcement, the rest are stopped, and the loop exits with the trainer's code; SIGINT (Ctrl-C) or
 SIGTERM stops every process with a SIGTERM and exits 130. Each child leads its own process group,
-killed as a whole on the way out, and gets a SIGTERM if the loop itself dies.
+killed as a whole on the way out. The loop holds the run directory's lock (`rlcli.run_lock`) from before it
+starts anything, so a second loop in the directory is refused at once, and hands it to its trainer.
+
+When the loop dies without stopping them (kill -9), its children die with it: Linux sends the samplers and
+the trainer a SIGKILL and Redis a SIGTERM (its append-only file is then complete). The processes they
+started in turn die with them (`rlcli.processes`, the reward pool's workers), and ``resume=auto`` continues
+from the trainer's last checkpoint, as after any crash.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from omegaconf import DictConfig
 
 from rlcli.commands.app import hydra_app
 from rlcli.processes import die_with_parent
+from rlcli.run_lock import HANDED_OVER, RunLock
 
 SAMPLER_GRACE = 10.0  # seconds the samplers get to exit on the trainer's final announcement
 STOP_TIMEOUT = 60.0  # seconds the processes get to exit after a SIGTERM before they are killed
@@ -51,12 +58,12 @@ class Signals:
 class Child:
     """One process of the loop, leader of its own process group; its output goes to one pipe."""
 
-    def __init__(self, name: str, colour: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, colour: str, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> None:
         self.name, self.colour = name, colour
         self.process = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, errors="replace", start_new_session=True,
-            preexec_fn=partial(die_with_parent, signal.SIGTERM),  # in the child, before exec
+            text=True, errors="replace", start_new_session=True, pass_fds=pass_fds,
+            preexec_fn=partial(die_with_parent, signal.SIGKILL),  # in the child, before exec
         )
         self.reported = False  # whether the loop said that it exited
 
@@ -76,8 +83,8 @@ class Loop:
         self.children: list[Child] = []
         self.lines: queue.Queue = queue.Queue()  # (child, line) from every reader thread
 
-    def start(self, name: str, colour: str, argv: list[str], **env: str) -> Child:
-        child = Child(name, colour, argv, dict(os.environ, PYTHONUNBUFFERED="1", **env))
+    def start(self, name: str, colour: str, argv: list[str], pass_fds: tuple[int, ...] = (), **env: str) -> Child:
+        child = Child(name, colour, argv, dict(os.environ, PYTHONUNBUFFERED="1", **env), pass_fds)
         self.children.append(child)
         return child
 
@@ -149,8 +156,9 @@ class Loop:
         self.pump(0.5)  # the last lines
 
 
-def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
-    """Run the loop that ``cfg`` (composed from ``overrides``) describes in ``run_dir``; the exit code."""
+def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path, lock: RunLock) -> int:
+    """Run the loop that ``cfg`` (composed from ``overrides``) describes in ``run_dir``, whose ``lock`` it holds;
+    the exit code."""
     from rich.console import Console
 
     from rlcli.commands.sample import WORKER_ENV
@@ -179,7 +187,8 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
                        [*command, "sample", *passed, f"data.url={url}", f"hydra.run.dir={run_dir / f'sampler-{i}'}"],
                        **{WORKER_ENV: str(i)})
         trainer = loop.start(TRAINER, "bold cyan",
-                             [*command, "train", *passed, f"data.url={url}", f"hydra.run.dir={run_dir}"])
+                             [*command, "train", *passed, f"data.url={url}", f"hydra.run.dir={run_dir}"],
+                             pass_fds=(lock.fileno(),), **{HANDED_OVER: str(lock.fileno())})
         loop.read_output()
         loop.say(f"started {typed.sample.workers} sampler(s) and the trainer in {run_dir}")
         loop.wait([trainer], stop=lambda: signals.first is not None)
@@ -201,4 +210,5 @@ def run_loop(cfg: DictConfig, overrides: list[str], run_dir: Path) -> int:
 def app(cfg: DictConfig, run_dir: Path) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    return run_loop(cfg, list(HydraConfig.get().overrides.task), run_dir)
+    with RunLock(run_dir) as lock:  # before anything starts
+        return run_loop(cfg, list(HydraConfig.get().overrides.task), run_dir, lock)

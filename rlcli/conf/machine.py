@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rlcli.conf.schema import TrainerConfig
+
+# the least memory one sampler process takes (Python, torch and the tiny default model; a larger model takes more)
+SAMPLER_MEMORY = 2**29
 
 
 def gpus() -> tuple[str | None, int]:
@@ -54,3 +58,29 @@ def machine_problems(trainer: TrainerConfig, strategy, model) -> Iterator[str]:
         elif not on_cuda:
             yield ("model.attn_implementation: flash_attention_2 runs on GPUs only, not with "
                    f"trainer.accelerator={accelerator}; use sdpa or varlen")
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory that new processes can have without swapping (Linux's MemAvailable); None elsewhere."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), None)
+
+
+def sampler_problems(workers: int) -> Iterator[str]:
+    """A ``"sample.workers: ..."`` line when ``workers`` sampler processes are more than this machine's cores
+    or memory can run (`SAMPLER_MEMORY` each at least)."""
+    if workers > cores():
+        yield f"sample.workers: {workers} sampler processes, more than the {cores()} cores this process may use"
+        return
+    memory = available_memory()
+    if memory is not None and workers * SAMPLER_MEMORY > memory:
+        yield (f"sample.workers: {workers} sampler processes need at least {workers * SAMPLER_MEMORY / 2**30:.1f} GiB "
+               f"of memory ({SAMPLER_MEMORY / 2**30:g} GiB each), more than the {memory / 2**30:.1f} GiB available")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
-from rlcli.conf.machine import machine_problems
+from rlcli.conf.machine import machine_problems, sampler_problems
 from rlcli.conf.schema import StreamDataConfig, TrainConfig
 from rlcli.training.distill import reward_advantage
 from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
@@ -347,6 +347,13 @@ def loop_command(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.data.kind != "stream":
         yield (f"data: rlcli loop runs samplers and a trainer around a stream (data=stream), "
                f"not data={cfg.data.kind}")
+
+
+@rule("sample", commands=("loop",))
+def loop_samplers(cfg: TrainConfig, command: str) -> Iterator[str]:
+    """`rlcli loop` starts ``sample.workers`` processes on this machine: as many as its cores and memory run."""
+    if cfg.sample is not None:
+        yield from sampler_problems(cfg.sample.workers)
 
 
 @rule("data", "task", "rollout", commands=("eval",))

@@ -216,7 +216,8 @@ class PublishConfig:
 class SampleConfig:
     """`rlcli sample` and the samplers `rlcli loop` starts (data=stream)."""
 
-    workers: int = described("sampler processes that rlcli loop starts", ge=1)
+    workers: int = described("sampler processes that rlcli loop starts: at most the machine's cores, and as many as "
+                             "its memory holds", ge=1)
     max_queue: int = described("a sampler waits while the stream holds more unread records than this", ge=1)
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 from urllib.parse import quote
 
@@ -23,6 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rlcli.errors import UserError
+from rlcli.processes import die_with_parent
 
 START_TIMEOUT = 10.0  # seconds the server may take to answer its first PING
 STOP_TIMEOUT = 5.0  # seconds a stopping server may take to exit before it is killed
@@ -92,9 +95,11 @@ class EmbeddedRedis:
         config = self.directory / "redis.conf"
         config.write_text(self._config())
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        # its own session: a terminal's Ctrl-C reaches the clients, which stop first, not the server
+        # its own session: a terminal's Ctrl-C reaches the clients, which stop first, not the server; and a
+        # SIGTERM when the process that started it dies, even killed (it then writes its append-only file and exits)
         process = subprocess.Popen([redis_server_binary(), str(config)], stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=partial(die_with_parent, signal.SIGTERM))
         client = redis.Redis(unix_socket_path=str(self.socket_path), socket_connect_timeout=1.0, socket_timeout=1.0,
                              retry=Retry(NoBackoff(), 0))  # fails at once instead of retrying
         deadline = time.monotonic() + START_TIMEOUT
