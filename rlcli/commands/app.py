@@ -212,12 +212,14 @@ def _own_lines(record: logging.LogRecord) -> bool:
 
 def _own_lines_on_the_console() -> None:
     """The job's console shows `_own_lines`; the other libraries' lines and Python warnings (transformers'
-    deprecations, Lightning's tips and hints) go to the run's log file only (Hydra's file handler)."""
+    deprecations, Lightning's tips and hints) go to the run's log file only (Hydra's file handler), and
+    transformers draws no progress bars."""
     from transformers.utils import logging as transformers_logging
 
     logging.captureWarnings(True)  # warnings.warn: to the logger py.warnings, not to stderr
     transformers_logging.disable_default_handler()  # transformers' own stderr handler: its lines go to the root's
     transformers_logging.enable_propagation()
+    transformers_logging.disable_progress_bar()  # "Loading weights" of every model a run loads
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, logging.FileHandler) and _own_lines not in handler.filters:
             handler.addFilter(_own_lines)

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from factories import make_tiny_qwen2
 from train_helpers import run_rlcli
 
 THIRD_PARTY = {  # a line of each library that a plain run on this machine writes, and where it comes from
@@ -32,3 +33,13 @@ def test_the_console_shows_rlclis_lines_and_train_log_the_others(tmp_path):
     if shutil.which("srun"):
         assert SRUN_HINT not in console and SRUN_HINT in log
     assert "weights_only" not in console + log
+
+
+@pytest.mark.slow
+def test_loading_a_hugging_face_model_draws_no_progress_bar(tmp_path):
+    """Before the fix transformers drew "Loading weights" on stderr for the policy of model=hf."""
+    model = make_tiny_qwen2(tmp_path / "model")
+    result = run_rlcli(["train", "model=hf", f"model.path={model}", "trainer.max_steps=1", "logger=none",
+                        "hydra.run.dir=run"], tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Loading weights" not in result.stdout + result.stderr
