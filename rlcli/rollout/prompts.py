@@ -112,14 +112,14 @@ class HFTokenizer:
         return self.hf.decode(kept, skip_special_tokens=True)
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """``value`` with OmegaConf containers turned into lists and dicts."""
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _patterns(value: Any, key: str) -> list[str]:
     """A file, a glob or a list of them, as a list."""
-    value = _plain(value)
+    value = plain(value)
     if value is None:
         return []
     if isinstance(value, (str, Path)):
@@ -206,7 +206,7 @@ class PromptsTask:
     ) -> None:
         patterns, eval_patterns = _patterns(paths, "task.paths"), _patterns(eval_paths, "task.eval_paths")
         sources = _training_sources(dataset, mixture)
-        eval_sources = hf_datasets.parse_dataset(_plain(eval_dataset), "task.eval_dataset", split="test")
+        eval_sources = hf_datasets.parse_dataset(plain(eval_dataset), "task.eval_dataset", split="test")
         if patterns and sources:
             raise UserError("task.paths: give the training prompts either as files (task.paths) or as "
                             "datasets (task.dataset, or task.mixture), not both")
@@ -224,7 +224,7 @@ class PromptsTask:
         if len(held_out_keys) > 1:
             raise UserError(f"{held_out_keys[-1]}: give the held-out prompts one way: "
                             f"{' and '.join(held_out_keys)}, not both")
-        self.columns = hf_datasets.parse_columns(_plain(columns))
+        self.columns = hf_datasets.parse_columns(plain(columns))
         self.answer_pattern = _answer_pattern(answer_pattern)
         if not (isinstance(max_prompt_tokens, int) and not isinstance(max_prompt_tokens, bool)
                 and max_prompt_tokens >= 1):
@@ -232,7 +232,7 @@ class PromptsTask:
         for key, value in (("chat_template", chat_template), ("system_prompt", system_prompt)):
             if value is not None and not (isinstance(value, str) and value):
                 raise UserError(f"task.{key}: must be a non-empty string or null, got {value!r}")
-        self.rewards = build_rewards(DEFAULT_REWARDS if rewards is None else _plain(rewards), key="task.rewards",
+        self.rewards = build_rewards(DEFAULT_REWARDS if rewards is None else plain(rewards), key="task.rewards",
                                      workers=reward_workers, timeout=reward_timeout)
         if tokenizer is None:
             raise UserError("task.tokenizer: task=prompts needs a tokenizer: give a Hugging Face model "
@@ -425,8 +425,8 @@ def check_prompt_room(task: Any, *, max_tokens: int, max_new_tokens: int) -> Non
 
 def _training_sources(dataset: Any, mixture: Any) -> list[hf_datasets.DatasetSource]:
     """The datasets to train on: ``dataset``'s one or ``mixture``'s, not both."""
-    one = hf_datasets.parse_dataset(_plain(dataset), "task.dataset")
-    several = hf_datasets.parse_mixture(_plain(mixture))
+    one = hf_datasets.parse_dataset(plain(dataset), "task.dataset")
+    several = hf_datasets.parse_mixture(plain(mixture))
     if one and several:
         raise UserError("task.mixture: give one dataset (task.dataset) or a mixture (task.mixture), not both")
     return one or several

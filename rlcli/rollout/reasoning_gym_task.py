@@ -25,11 +25,9 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from rlcli.errors import UserError
 from rlcli.modules.metrics import Metric
-from rlcli.rollout.prompts import HFTokenizer
+from rlcli.rollout.prompts import HFTokenizer, plain
 from rlcli.rollout.rewards import build_rewards
 from rlcli.rollout.tasks import Prompt, Score
 
@@ -73,10 +71,6 @@ def reasoning_gym_score(completion: str, *, dataset: str, entry: Mapping[str, An
     if answer is None:
         return 0.0
     return float(_scorer(dataset, json.dumps(configs[dataset], sort_keys=True))(answer, dict(entry)))
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _is_count(value: Any, low: int) -> bool:
@@ -125,7 +119,7 @@ class ReasoningGymTask:
         for key, value in (("chat_template", chat_template), ("system_prompt", system_prompt)):
             if value is not None and not isinstance(value, str):
                 raise UserError(f"task.{key}: must be a string or null, got {value!r}")
-        self.configs, self.weights = _check_datasets(_plain(datasets), rg)
+        self.configs, self.weights = _check_datasets(plain(datasets), rg)
         self.names = list(self.configs)
         self.rewards = build_rewards([{"_target_": f"{__name__}.reasoning_gym_score", "name": TERM,
                                        "configs": self.configs}], key="task.datasets",
