@@ -25,6 +25,8 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -121,26 +123,23 @@ def _padded_batch(docs, device):
     return [t.to(device) for t in (input_ids, attention, labels, old, adv)]
 
 
-def run(args) -> dict:
+@dataclass
+class Loops:
+    """The two loops over the same rollouts, on the same model, and what the result table says about them."""
+
+    packed: Callable[[], None]  # one pass of the packed loop over all rollouts (forward, loss, backward per row)
+    padded: Callable[[], None]  # one pass of the padded loop over the same rollouts
+    info: dict  # rollouts, forwards, tokens, model, device: the result's fixed fields
+
+
+def _packed_pass(rollouts, model, head, device, max_tokens) -> tuple[Callable[[], None], int]:
+    """rlcli's packed loop: ``pack_documents`` rows, ``TokenScorer`` with the fused head + GRPO loss; (pass, rows)."""
     from rlcli.data.document_stream import pack_documents
     from rlcli.model.scorer import TokenScorer
-    from rlcli.modules import HeadSpec, LossInputs, LossSpec, Segments, StepTotals, fused_micro_batch_loss
+    from rlcli.modules import LossInputs, LossSpec, Segments, StepTotals, fused_micro_batch_loss
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rollouts = _rollouts(args)
-    real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    packed = [mb for mb in pack_documents(rollouts, args.max_tokens)]
     packed = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
-                                      mb.mask, mb.document_index)] for mb in packed]
-    batch_size = args.batch_size or max(1, round(len(rollouts) / len(packed)))
-    padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]
-    padded_tokens = sum(b[0].numel() for b in padded)
-    model, attn_implementation = _model(args, device)
-    fp32_head = device.type == "cuda"  # bfloat16 model, float32 head and softmax
-    head = HeadSpec(fp32=fp32_head, chunk_tokens=args.chunk_tokens)
+                                      mb.mask, mb.document_index)] for mb in pack_documents(rollouts, max_tokens)]
     scorer = TokenScorer(model, head, with_entropy=False)
 
     def packed_pass():
@@ -153,7 +152,11 @@ def run(args) -> dict:
             loss.backward()
         model.zero_grad(set_to_none=True)
 
-    head_dtype = torch.float32 if fp32_head else next(model.parameters()).dtype
+    return packed_pass, len(packed)
+
+
+def _padded_pass(padded, model, head_dtype) -> Callable[[], None]:
+    """The usual loop over right-padded batches: full logits, log-softmax, gather, the same loss."""
 
     def padded_pass():
         for input_ids, attention, labels, old, adv in padded:
@@ -170,26 +173,53 @@ def run(args) -> dict:
             loss.backward()
         model.zero_grad(set_to_none=True)
 
-    result = dict(documents=len(rollouts), real_tokens=real_tokens, completion_range=[args.min_completion,
-                  args.max_completion], packed_micro_batches=len(packed), padded_batches=len(padded),
-                  padded_batch_size=batch_size, padded_tokens_incl_padding=padded_tokens,
-                  model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
-                  device=str(device), device_name=device_name(device), attention=attn_implementation,
-                  dtype="bfloat16, fp32 head" if fp32_head else "float32", threads=torch.get_num_threads())
-    loops = {"packed": packed_pass, "padded": padded_pass}
-    for fn in loops.values():
+    return padded_pass
+
+
+def loops(args) -> Loops:
+    """Build the rollouts, the model and the two pass callables of ``args`` (``_parse``'s namespace)."""
+    from rlcli.modules import HeadSpec
+
+    device = torch.device(args.device)
+    rollouts = _rollouts(args)
+    real_tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    model, attn_implementation = _model(args, device)
+    fp32_head = device.type == "cuda"  # bfloat16 model, float32 head and softmax
+    head = HeadSpec(fp32=fp32_head, chunk_tokens=args.chunk_tokens)
+    packed_pass, rows = _packed_pass(rollouts, model, head, device, args.max_tokens)
+    batch_size = args.batch_size or max(1, round(len(rollouts) / rows))
+    padded = [_padded_batch(rollouts[i : i + batch_size], device) for i in range(0, len(rollouts), batch_size)]
+    head_dtype = torch.float32 if fp32_head else next(model.parameters()).dtype
+    info = dict(documents=len(rollouts), real_tokens=real_tokens, completion_range=[args.min_completion,
+                args.max_completion], packed_micro_batches=rows, padded_batches=len(padded),
+                padded_batch_size=batch_size, padded_tokens_incl_padding=sum(b[0].numel() for b in padded),
+                model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
+                device=str(device), device_name=device_name(device), attention=attn_implementation,
+                dtype="bfloat16, fp32 head" if fp32_head else "float32")
+    return Loops(packed=packed_pass, padded=_padded_pass(padded, model, head_dtype), info=info)
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    built = loops(args)
+    result = built.info | dict(threads=torch.get_num_threads())
+    passes = {"packed": built.packed, "padded": built.padded}
+    for fn in passes.values():
         fn()  # warm-up
         sync()
-    times = {name: [] for name in loops}
+    times = {name: [] for name in passes}
     for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in both
-        for name, fn in loops.items():
+        for name, fn in passes.items():
             start = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    for name in loops:
+    for name in passes:
         result[f"{name}_s"] = statistics.median(times[name])
-        result[f"{name}_tokens_per_s"] = real_tokens / statistics.median(times[name])
+        result[f"{name}_tokens_per_s"] = result["real_tokens"] / statistics.median(times[name])
     # the median of the ratios of passes made one after the other
     result["speedup"] = statistics.median(b / a for a, b in zip(times["packed"], times["padded"]))
     return result
