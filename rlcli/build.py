@@ -25,7 +25,7 @@ from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
-from rlcli.model.policy import build_policy
+from rlcli.model.policy import build_policy, compile_body
 from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.module import PolicyModule
 from rlcli.training.optim import build_optimizer
@@ -97,7 +97,10 @@ def build_reference(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Modul
     if cfg.kl.coef == 0 or cfg.kl.reference == "rollouts":
         return None
     if cfg.kl.reference == "initial":
-        return copy.deepcopy(policy)
+        reference = copy.deepcopy(policy)  # a copy is not compiled
+        if cfg.model.compile:
+            compile_body(reference)
+        return reference
     return load_frozen_model("kl.reference", cfg.kl.reference, cfg, policy)
 
 
@@ -121,7 +124,7 @@ def load_frozen_model(key: str, path: str, cfg: TrainConfig, policy: torch.nn.Mo
     frozen = build_policy(HFModelConfig(
         kind="hf", path=path, dtype=model.dtype, gradient_checkpointing=False,
         attn_implementation=model.attn_implementation, trust_remote_code=getattr(model, "trust_remote_code", False),
-        suggested_lr=model.suggested_lr,
+        suggested_lr=model.suggested_lr, compile=model.compile,
     ), key=key)
     if frozen.config.vocab_size != policy.config.vocab_size:
         student = model.path if model.kind == "hf" else "model=tiny"

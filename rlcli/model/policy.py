@@ -59,7 +59,24 @@ def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int =
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    if cfg.compile:
+        compile_body(model)
     return model
+
+
+def compile_body(model: torch.nn.Module) -> None:
+    """``model.compile``: `torch.compile` the transformer body (``model.base_model``, what `TokenScorer`
+    runs) in place, with dynamic shapes, so that packed rows of any length share one compiled graph; the
+    compilation itself happens at the first forward. A `UserError` where torch.compile cannot run here
+    (inductor needs a C++ compiler, also to launch its GPU kernels)."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+        model.base_model.compile(dynamic=True)
+    except RuntimeError as err:
+        raise UserError(f"model.compile: torch.compile cannot run here ({err}); install a C++ compiler (g++, or "
+                        f"name one in the CXX environment variable) or set model.compile=false") from None
 
 
 def save_tokenizer_if_any(cfg: TinyModelConfig | HFModelConfig, out_dir: Path) -> bool:
