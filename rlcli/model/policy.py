@@ -37,6 +37,10 @@ def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int =
     from transformers import AutoModelForCausalLM
 
     if cfg.attn_implementation == varlen_attention.NAME:
+        if cfg.compile:
+            raise UserError("model.compile: not with model.attn_implementation=varlen, whose attention loops over "
+                            "each row's documents (inductor fails to compile it); use sdpa, or flash_attention_2 "
+                            "on a GPU")
         varlen_attention.register()
     if cfg.kind == "tiny":
         model = AutoModelForCausalLM.from_config(tiny_model_config(cfg, default_vocab_size)).to(DTYPES[cfg.dtype])

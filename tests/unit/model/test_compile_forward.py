@@ -18,8 +18,9 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 from factories import tiny_policy
+from rlcli.conf.schema import TinyModelConfig
 from rlcli.errors import UserError
-from rlcli.model.policy import compile_body
+from rlcli.model.policy import build_policy, compile_body
 
 EPS = torch.finfo(torch.float32).eps
 LONGEST_SUM = 128  # terms: the intermediate size of tiny_policy(hidden_size=64)
@@ -97,3 +98,14 @@ def test_no_cxx_compiler_is_a_user_error_naming_model_compile():
     with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
         with pytest.raises(UserError, match=r"model\.compile: .*install a C\+\+ compiler.*model\.compile=false"):
             compile_body(model)
+
+
+def test_varlen_attention_is_refused_before_the_model_is_built():
+    """``model.attn_implementation=varlen`` loops over a row's documents, which inductor fails to compile (torch
+    2.13: an error at the first step): refused up front, naming both keys. Fails if the combination is let through
+    (build_policy would return a model)."""
+    cfg = TinyModelConfig(kind="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                          max_position_embeddings=64, dtype="float32", gradient_checkpointing=False,
+                          attn_implementation="varlen", suggested_lr=1e-3, compile=True)
+    with pytest.raises(UserError, match=r"model\.compile: not with model\.attn_implementation=varlen"):
+        build_policy(cfg)
