@@ -21,6 +21,8 @@ its own options: ``python -m benchmarks.NAME --help``.
   start time (needs vLLM; skipped when it is not installed).
 * ``reward_pool``: seconds per completion of the rewards inline against the reward worker pool (a trivial reward
   and math_verify), and the seconds a ``task=prompts`` step takes inline and with the pool.
+* ``compile``: ``model.compile=true`` against eager on the throughput benchmark's packed loop: the first
+  pass (a cold compile) and the steady pass time, and the graphs compiled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks import compile as compile_benchmark
 from benchmarks import (
     docs_per_step,
     dynamic_sampling,
@@ -92,9 +95,14 @@ def _reward_pool(device: str, json_path: Path | None):
     return reward_pool.main(["--json", str(json_path)] if json_path else [])
 
 
+def _compile(device: str, json_path: Path | None):
+    return compile_benchmark.main(["--device", device] + (["--json", str(json_path)] if json_path else []))
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
               "loss_terms": _loss_terms, "dynamic_sampling": _dynamic_sampling, "stream_queue": _stream_queue,
-              "live_loop": _live_loop, "vllm_sampling": _vllm_sampling, "reward_pool": _reward_pool}
+              "live_loop": _live_loop, "vllm_sampling": _vllm_sampling, "reward_pool": _reward_pool,
+              "compile": _compile}
 
 
 def main(argv: list[str] | None = None) -> dict:
