@@ -21,6 +21,9 @@ its own options: ``python -m benchmarks.NAME --help``.
   start time (needs vLLM; skipped when it is not installed).
 * ``reward_pool``: seconds per completion of the rewards inline against the reward worker pool (a trivial reward
   and math_verify), and the seconds a ``task=prompts`` step takes inline and with the pool.
+* ``dispatch``: the operations PyTorch dispatches and the host-synchronising ones among them, per optimizer
+  step of ``rlcli train model=tiny`` (data=rollouts at 4 and 16 micro-batches, generate, stream) and per pass
+  of the throughput benchmark's packed and padded loops (exact counts).
 * ``compile``: ``model.compile=true`` against eager on the throughput benchmark's packed loop: the first
   pass (a cold compile) and the steady pass time, and the graphs compiled.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from benchmarks import compile as compile_benchmark
 from benchmarks import (
+    dispatch,
     docs_per_step,
     dynamic_sampling,
     live_loop,
@@ -91,6 +95,10 @@ def _vllm_sampling(device: str, json_path: Path | None):
     return vllm_sampling.main(argv + (["--json", str(json_path)] if json_path else []))
 
 
+def _dispatch(device: str, json_path: Path | None):
+    return dispatch.main(["--device", device] + (["--json", str(json_path)] if json_path else []))
+
+
 def _reward_pool(device: str, json_path: Path | None):
     return reward_pool.main(["--json", str(json_path)] if json_path else [])
 
@@ -102,7 +110,7 @@ def _compile(device: str, json_path: Path | None):
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
               "loss_terms": _loss_terms, "dynamic_sampling": _dynamic_sampling, "stream_queue": _stream_queue,
               "live_loop": _live_loop, "vllm_sampling": _vllm_sampling, "reward_pool": _reward_pool,
-              "compile": _compile}
+              "dispatch": _dispatch, "compile": _compile}
 
 
 def main(argv: list[str] | None = None) -> dict:
