@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -261,10 +262,12 @@ class StepCounts:
 
 
 def rlcli_train(overrides: list[str]) -> None:
-    """``rlcli train OVERRIDES`` through the CLI's entry point, in this process, in a temporary run directory."""
+    """``rlcli train OVERRIDES`` through the CLI's entry point, in this process, in a temporary run directory.
+    What the CLI sets for a process it ends (umask, blocked signals, environment) is put back after."""
     from rlcli.cli import run
 
-    umask, argv = os.umask(0o077), sys.argv  # `run` narrows the process's umask: put it back after
+    argv, environ = sys.argv, dict(os.environ)
+    umask, signals = os.umask(0o077), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     os.umask(umask)
     with tempfile.TemporaryDirectory() as run_dir:
         sys.argv = ["rlcli", "train", *overrides, f"hydra.run.dir={run_dir}"]
@@ -275,7 +278,10 @@ def rlcli_train(overrides: list[str]) -> None:
                 raise RuntimeError(f"rlcli train {' '.join(overrides)} exited with {exit.code}") from None
         finally:
             sys.argv = argv
+            os.environ.clear()
+            os.environ.update(environ)
             os.umask(umask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, signals)
 
 
 # `rlcli train` configurations measured: (name, overrides); every one also gets `trainer.max_steps`
