@@ -4,7 +4,8 @@ Both loops train on the same synthetic rollouts (prompt 16 tokens, completion le
 uniformly over ``--min-completion``..``--max-completion``, so ≥ 4× apart by default), with the same
 tiny Llama-style model built by `rlcli.model.policy.build_policy` and the same GRPO token-mean loss:
 
-* **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, and
+* **packed** (rlcli): `pack_documents` rows of at most ``--max-tokens`` tokens, no padding, planned on the host
+  and moved to the device once as the trainer does, and
   `TokenScorer` with the fused head + GRPO loss (``--chunk-tokens``) and backward per row;
 * **padded** (the usual loop): batches of ``--batch-size`` documents in the same order, right-padded
   to the longest, ``attention_mask``, the model's full ``[B, L, V]`` logits (on CUDA with the head in
@@ -133,22 +134,29 @@ class Loops:
 
 
 def _packed_pass(rollouts, model, head, device, max_tokens) -> tuple[Callable[[], None], int]:
-    """rlcli's packed loop: ``pack_documents`` rows, ``TokenScorer`` with the fused head + GRPO loss; (pass, rows)."""
+    """rlcli's packed loop as the trainer runs it: ``pack_documents`` rows, each planned on the host and moved
+    to the device once (`plan_update`, `micro_batch_to_device`: nothing in the pass waits for the device),
+    then ``TokenScorer`` with the fused head + GRPO loss; each row is an update. Returns (pass, rows)."""
     from rlcli.data.document_stream import pack_documents
     from rlcli.model.scorer import TokenScorer
-    from rlcli.modules import LossInputs, LossSpec, Segments, StepTotals, fused_micro_batch_loss
+    from rlcli.modules import LossInputs, LossSpec, fused_micro_batch_loss
+    from rlcli.training.loss import micro_batch_to_device
+    from rlcli.training.plan import plan_update
 
-    packed = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
-                                      mb.mask, mb.document_index)] for mb in pack_documents(rollouts, max_tokens)]
+    rows = list(pack_documents(rollouts, max_tokens))
+    plans = [plan_update([row], device) for row in rows]
+    packed = [(micro_batch_to_device(row, plan.group_numbering, device), plan) for row, plan in zip(rows, plans)]
     scorer = TokenScorer(model, head, with_entropy=False)
+    spec = LossSpec()
 
     def packed_pass():
-        for input_ids, position_ids, labels, sampler, adv, mask, doc in packed:
-            inputs = LossInputs(proximal_logprobs=sampler, advantages=adv, mask=mask, document_index=doc)
-            totals = StepTotals.of_tokens(mask, Segments.of(doc))
-            head_loss = functools.partial(fused_micro_batch_loss, labels=labels, inputs=inputs, totals=totals,
-                                          spec=LossSpec(), head=head)
-            loss, _ = scorer(input_ids, position_ids, labels, head_loss=head_loss)
+        for row, plan in packed:
+            t = row.tensors
+            inputs = LossInputs(proximal_logprobs=t["sampler_logprobs"], advantages=t["advantages"], mask=t["mask"],
+                                document_index=t["document_index"], documents=row.documents)
+            head_loss = functools.partial(fused_micro_batch_loss, labels=t["labels"], inputs=inputs,
+                                          totals=plan.totals, spec=spec, head=head, labelled=row.labelled)
+            loss, _ = scorer(t["input_ids"], t["position_ids"], t["labels"], head_loss=head_loss, documents=row.packed)
             loss.backward()
         model.zero_grad(set_to_none=True)
 

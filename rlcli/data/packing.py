@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,14 +56,30 @@ class MicroBatch:
     def num_labelled(self) -> int:
         return int(self.mask.sum().item())
 
-    def completion_values(self, values: torch.Tensor) -> list[tuple[float, ...]]:
-        """``[L]`` values at the label positions -> one tuple per document, a value per completion token
-        (the inverse of how ``sampler_logprobs`` is laid out; 0 for tokens that are not trained on)."""
-        values = torch.where(self.mask > 0, values.detach().to("cpu", torch.float32), 0.0).tolist()
+    def labelled_rows(self) -> tuple[list[int], list[int]]:
+        """The positions with a label, in order, and how many each document that has any holds: known
+        from the documents, without reading a tensor."""
+        rows, counts, start = [], [], 0
+        for doc in self.documents:
+            first = start + len(doc.prompt_ids) - 1  # the position that predicts the first completion token
+            kept = [first + i for i, keep in enumerate(doc.completion_mask) if keep]
+            rows += kept
+            counts += [len(kept)] if kept else []
+            start += doc.num_tokens
+        return rows, counts
+
+    def document_offsets(self) -> list[int]:
+        """Where each document starts in the row, then the row's length: ``S + 1`` positions."""
+        return [0, *itertools.accumulate(doc.num_tokens for doc in self.documents)]
+
+    def completion_values(self, values: Sequence[float]) -> list[tuple[float, ...]]:
+        """``[L]`` values on the host at the label positions -> one tuple per document, a value per completion
+        token (the inverse of how ``sampler_logprobs`` is laid out; 0 for tokens that are not trained on)."""
         out, start = [], 0
         for doc in self.documents:
             first = start + len(doc.prompt_ids) - 1  # the position that predicts the first completion token
-            out.append(tuple(values[first : first + len(doc.completion_ids)]))
+            row = values[first : first + len(doc.completion_ids)]
+            out.append(tuple(value if keep else 0.0 for value, keep in zip(row, doc.completion_mask)))
             start += doc.num_tokens
         return out
 

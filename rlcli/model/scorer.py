@@ -6,10 +6,40 @@ final norm and head weights around it like any other parameters.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlcli.model import varlen_attention
 from rlcli.modules.lm_head import HeadSpec, token_logprobs
+
+
+@dataclass(frozen=True)
+class PackedDocuments:
+    """The documents of a packed row as the host knows them (from the packer): what attention within each
+    document needs, given so that the model does not find them from the position ids (which waits for the
+    device)."""
+
+    index: torch.Tensor  # [L] long, the document of each position (0..S-1), on the device
+    offsets: torch.Tensor  # [S + 1] int32, where each document starts, then L, on the device
+    longest: int  # the longest document's length
+
+    def model_kwargs(self, attn_implementation: str | None, position_ids: torch.Tensor) -> dict:
+        """The model's keyword arguments for this row: position ids (none for a single document, whose
+        positions are the default ones) and its documents, by the attention kernel's convention: a
+        block-diagonal causal mask for ``sdpa``, document offsets for ``varlen``. Other kernels get
+        the position ids alone and find the documents themselves."""
+        kwargs = {"position_ids": position_ids[None]}
+        if attn_implementation == varlen_attention.NAME:
+            return kwargs | dict(cu_seq_lens_q=self.offsets, cu_seq_lens_k=self.offsets, max_length_q=self.longest,
+                                 max_length_k=self.longest)
+        if self.offsets.numel() == 2:  # one document: plain causal attention over the default positions
+            return {}
+        if attn_implementation == "sdpa":
+            length = self.index.numel()
+            same = self.index.unsqueeze(1) == self.index  # [L, L]
+            kwargs["attention_mask"] = torch.tril(same).view(1, 1, length, length)  # True: attend
+        return kwargs
 
 
 class TokenScorer(torch.nn.Module):
@@ -18,6 +48,7 @@ class TokenScorer(torch.nn.Module):
 
     With ``head_loss``, a callable ``(hidden [L, H], head weight [V, H]) -> result``, the forward
     returns ``head_loss``'s result instead (e.g. `fused_micro_batch_loss`), still inside the forward.
+    With ``documents`` (`PackedDocuments`) the row's documents need not be found from its position ids.
     """
 
     def __init__(self, policy: torch.nn.Module, head: HeadSpec, *, with_entropy: bool) -> None:
@@ -26,13 +57,15 @@ class TokenScorer(torch.nn.Module):
         self.head = head
         self.with_entropy = with_entropy
 
-    def forward(self, input_ids, position_ids, labels, head_loss=None):
-        documents = {}  # varlen attention: the row's document offsets, found once for all layers
-        if getattr(self.policy.config, "_attn_implementation", None) == varlen_attention.NAME:
-            documents = varlen_attention.packed_row_kwargs(position_ids[None])
-        hidden = self.policy.base_model(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, **documents
-        ).last_hidden_state[0]  # [L, H]
+    def forward(self, input_ids, position_ids, labels, head_loss=None, documents: PackedDocuments | None = None):
+        attn_implementation = getattr(self.policy.config, "_attn_implementation", None)
+        if documents is not None:
+            kwargs = documents.model_kwargs(attn_implementation, position_ids)
+        else:
+            kwargs = {"position_ids": position_ids[None]}
+            if attn_implementation == varlen_attention.NAME:  # the row's document offsets, found once for all layers
+                kwargs |= varlen_attention.packed_row_kwargs(position_ids[None])
+        hidden = self.policy.base_model(input_ids=input_ids[None], use_cache=False, **kwargs).last_hidden_state[0]
         weight = self.policy.get_output_embeddings().weight  # [V, H]
         if head_loss is not None:
             return head_loss(hidden, weight)

@@ -6,7 +6,7 @@ fused head, the `HeadSpec` (how the head scores).
 """
 
 from rlcli.modules.aggregation import AGGREGATIONS, StepTotals, token_weights
-from rlcli.modules.fused_head import fused_micro_batch_loss, head_logprobs
+from rlcli.modules.fused_head import LabelledRows, fused_micro_batch_loss, head_logprobs
 from rlcli.modules.lm_head import HeadSpec, auto_chunk_tokens, token_logprobs
 from rlcli.modules.losses import GRPO, GSPO, LOSSES, LossInputs, PolicyLoss, RatioUnits, make_loss
 from rlcli.modules.metrics import METRIC_LEVELS, MetricPartials, finalize_metrics, metric_partials
@@ -34,6 +34,7 @@ __all__ = [
     "Correction",
     "KLPenalty",
     "HeadSpec",
+    "LabelledRows",
     "LossInputs",
     "LossSpec",
     "MetricPartials",

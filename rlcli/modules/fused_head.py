@@ -43,7 +43,10 @@ its proximal (and a reference model's) log-probs with ratio 1 and ``kl_ref`` 0 e
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -51,16 +54,17 @@ from torch.autograd.function import once_differentiable
 from rlcli.modules.aggregation import StepTotals, token_weights
 from rlcli.modules.lm_head import (
     HeadSpec,
-    check_head_inputs,
+    check_head_shapes,
+    check_label_range,
     chunk_logits,
     head_compute_dtype,
     head_operands,
-    labels_and_valid,
 )
 from rlcli.modules.losses import LossInputs
 from rlcli.modules.metrics import MetricPartials
 from rlcli.modules.policy_loss import LossSpec, micro_batch_loss
 from rlcli.modules.regularizers import importance_weights, token_losses
+from rlcli.modules.segments import Segments
 
 # entropies are summed over blocks of vocabulary rows of at most this many elements (bounds the temporaries)
 ENTROPY_BLOCK_ELEMENTS = 1 << 22
@@ -85,8 +89,8 @@ class _Head:
 
 
 def _make_head(hidden, weight, labels, spec: HeadSpec) -> tuple[_Head, int]:
-    """Check the head's tensors; the head in the dtypes of its chunks, and the chunk size as a number."""
-    check_head_inputs(hidden, weight, labels)
+    """Check the head's tensors' shapes; the head in the dtypes of its chunks, and the chunk size as a number."""
+    check_head_shapes(hidden, weight, labels)
     head_hidden, head_weight = head_operands(hidden, weight, spec.fp32)
     compute_dtype = head_compute_dtype(head_hidden.dtype, spec.fp32)
     acc_dtype = torch.promote_types(compute_dtype, torch.float32)
@@ -101,6 +105,7 @@ class _Scored:
 
     exps: torch.Tensor  # [V, R] exp(z - max_v z), in place of the logits
     sums: torch.Tensor  # [R] Σ_v exps
+    labels: torch.Tensor  # [R] the rows' labels, 0 where ignored
     logprobs: torch.Tensor  # [R], 0 where the label is ignored
     entropy: torch.Tensor | None  # [R], 0 where the label is ignored
 
@@ -121,21 +126,27 @@ def _exponentiate(shifted: torch.Tensor, with_dot: bool) -> torch.Tensor | None:
     return dot
 
 
-def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: bool) -> _Scored:
-    """The rows' log-probs (and entropies) and their softmax, from one ``[V, R]`` buffer.
+def _score(head: _Head, rows: torch.Tensor, labels: torch.Tensor, with_entropy: bool,
+           valid: torch.Tensor | None) -> _Scored:
+    """The rows' log-probs (and entropies) and their softmax, from one ``[V, R]`` buffer; 0 where ``valid``
+    [R] (None: every row has a label) says a row's label is ignored.
 
     With ``y = z - max z`` and ``s = Σ exp(y)``: ``log p(label) = y_label - log s`` and
     ``entropy = log s - Σ exp(y) y / s``."""
     exps = head.logits(rows)  # [V, R]
     exps.sub_(exps.amax(0))  # y, in place
-    safe_labels, valid = labels_and_valid(labels)
-    picked = exps[safe_labels, torch.arange(rows.numel(), device=rows.device)]  # [R]
+    if valid is not None:
+        labels = torch.where(valid, labels, 0)
+    picked = exps[labels, torch.arange(rows.numel(), device=rows.device)]  # [R]
     dot = _exponentiate(exps, with_entropy)  # [R] | None
     sums = exps.sum(0)  # [R]
     log_sums = sums.log()
-    logprobs = torch.where(valid, picked - log_sums, 0.0)
-    entropy = torch.where(valid, log_sums - dot / sums, 0.0) if with_entropy else None
-    return _Scored(exps, sums, logprobs, entropy)
+    logprobs = picked - log_sums
+    entropy = log_sums - dot / sums if with_entropy else None
+    if valid is not None:
+        logprobs = torch.where(valid, logprobs, 0.0)
+        entropy = torch.where(valid, entropy, 0.0) if with_entropy else None
+    return _Scored(exps, sums, labels, logprobs, entropy)
 
 
 def _fold_entropy_gradient(scored: _Scored, scale, entropy_scale, entropy) -> None:
@@ -151,7 +162,7 @@ def _fold_entropy_gradient(scored: _Scored, scale, entropy_scale, entropy) -> No
         e.mul_(a).add_(ey.mul_(b))
 
 
-def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidden, grad_weight,
+def _add_gradients(head: _Head, rows, scored: _Scored, scale, grad_hidden, grad_weight,
                    entropy_scale=None, entropy=None) -> None:
     """Add the rows' head gradients for ``d L / d z = scale * (onehot(y) - P)``, ``P = exps / sums``,
     and with ``entropy_scale`` [R] (``(dL/dH) / T``) the entropy's ``− entropy_scale · P ⊙ (log P + H)``.
@@ -160,7 +171,7 @@ def _add_gradients(head: _Head, rows, labels, scored: _Scored, scale, grad_hidde
     Without the entropy term the ``1 / sums`` of ``P`` is applied to the ``[R, H]`` operands, never as a
     pass over ``[V, R]``; with it, one pass over the buffer folds in everything (`_fold_entropy_gradient`).
     """
-    safe_labels, _ = labels_and_valid(labels)
+    safe_labels = scored.labels
     if entropy_scale is not None:
         _fold_entropy_gradient(scored, scale, entropy_scale, entropy)  # the buffer is Q: no more scaling
         p_scale = None
@@ -194,16 +205,15 @@ def _slices(m: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(0, first)] + [(start, start + size) for start in range(first, m, size)]
 
 
-def _chunks(documents: torch.Tensor, chunk_tokens: int, whole_documents: bool) -> list[tuple[int, int]]:
-    """Split ``M`` rows (``documents`` [M], each document's rows together) into ``(start, end)``
-    chunks of at most ``chunk_tokens`` rows (0: one chunk); with ``whole_documents`` a chunk
-    ends only at a document boundary, and a longer document is a chunk of its own."""
-    m = documents.numel()
+def _chunks(counts: tuple[int, ...], chunk_tokens: int, whole_documents: bool) -> list[tuple[int, int]]:
+    """Split the labelled rows (``counts``: each document's, in order) into ``(start, end)`` chunks of at
+    most ``chunk_tokens`` rows (0: one chunk); with ``whole_documents`` a chunk ends only at a document
+    boundary, and a longer document is a chunk of its own."""
+    m = sum(counts)
     if not whole_documents or chunk_tokens == 0 or m == 0:
         return _slices(m, chunk_tokens)
-    ends = (torch.nonzero(documents[1:] != documents[:-1]).flatten() + 1).tolist() + [m]
     chunks, start, previous_end = [], 0, 0
-    for end in ends:
+    for end in itertools.accumulate(counts):
         if end - start > chunk_tokens and previous_end > start:
             chunks.append((start, previous_end))
             start = previous_end
@@ -212,14 +222,51 @@ def _chunks(documents: torch.Tensor, chunk_tokens: int, whole_documents: bool) -
     return chunks
 
 
-def _labelled_chunks(mask, document_index, chunk_tokens: int, sequence_level: bool):
-    """The labelled rows ``[M]`` (``mask > 0``, each document's rows together) and their chunks."""
-    rows = torch.nonzero(mask > 0).flatten()
-    rows = rows[torch.argsort(document_index[rows], stable=True)]
-    return rows, _chunks(document_index[rows], chunk_tokens, whole_documents=sequence_level)
+@dataclass(frozen=True)
+class LabelledRows:
+    """The labelled positions of a micro-batch (``mask > 0``), each document's together: what the head
+    scores. Found from the tensors (`of_tokens`, which waits for the device) or given by a caller that
+    knows them already (the trainer, from the packer: no host synchronisation).
+
+    Attributes:
+        rows: ``[M]`` long, the positions; each document's in order, documents by ascending index.
+        runs: ``[M]`` long, the document of each row, numbered 0.. over the documents with a row.
+        counts: the rows of each of those documents, in order (host integers).
+        valid: ``[M]`` bool, whether each row's label is ``>= 0`` (a row with an ignored label is scored 0
+            and gets no gradient); None: every row's is.
+    """
+
+    rows: torch.Tensor  # [M]
+    runs: torch.Tensor  # [M]
+    counts: tuple[int, ...]
+    valid: torch.Tensor | None = None  # [M] bool
+
+    @classmethod
+    def of_tokens(cls, mask: torch.Tensor, document_index: torch.Tensor, labels: torch.Tensor) -> LabelledRows:
+        """From ``mask``, ``document_index`` (any document ids) and ``labels`` [N]: reads the documents' row
+        counts on the host (one synchronisation)."""
+        rows = torch.nonzero(mask > 0).flatten()  # [M]
+        rows = rows[torch.argsort(document_index[rows], stable=True)]
+        _, runs, counts = torch.unique_consecutive(document_index[rows], return_inverse=True, return_counts=True)
+        valid = labels[rows] >= 0  # [M]
+        return cls(rows=rows, runs=runs, counts=tuple(counts.tolist()), valid=None if bool(valid.all()) else valid)
+
+    def valid_rows(self, start: int, end: int) -> torch.Tensor | None:
+        """``valid`` of the rows ``start:end``."""
+        return None if self.valid is None else self.valid[start:end]
+
+    def documents(self, start: int, end: int) -> Segments:
+        """The documents of the rows ``start:end``, numbered from 0 (`Segments.of` of their document ids)."""
+        first = bisect.bisect_right(self._ends, start)  # the document of row `start`
+        last = bisect.bisect_left(self._ends, end)  # the document of row `end - 1`
+        return Segments(inverse=self.runs[start:end] - first, count=last - first + 1)
+
+    @cached_property
+    def _ends(self) -> list[int]:
+        return list(itertools.accumulate(self.counts))
 
 
-def _score_chunk(head: _Head, labels, chunk_rows, chunk_tokens: int, with_entropy: bool, logprobs, entropy):
+def _score_chunk(head: _Head, labels, chunk_rows, valid, chunk_tokens: int, with_entropy: bool, logprobs, entropy):
     """Score one chunk into ``logprobs`` (and ``entropy``) [N], piece by piece (one piece unless a
     document of a sequence-level loss is longer than a chunk); return the pieces and the last
     piece's `_Scored` (its buffer is the only one alive)."""
@@ -228,7 +275,7 @@ def _score_chunk(head: _Head, labels, chunk_rows, chunk_tokens: int, with_entrop
     for s, e in pieces:
         piece = chunk_rows[s:e]
         scored = None  # free the previous buffer before the next one exists
-        scored = _score(head, piece, labels[piece], with_entropy)
+        scored = _score(head, piece, labels[piece], with_entropy, None if valid is None else valid[s:e])
         logprobs[piece] = scored.logprobs
         if with_entropy:
             entropy[piece] = scored.entropy
@@ -248,10 +295,9 @@ class _WithGradients(torch.autograd.Function):
     def backward(ctx, grad_value):
         grad_hidden, grad_weight = ctx.grads
         ctx.grads = None  # hand the buffers over: the weight's gradient is not copied
-        if not bool(grad_value == 1):
-            for grad in (grad_hidden, grad_weight):
-                if grad is not None:
-                    grad.mul_(grad_value.to(grad.dtype))
+        grads = [grad for grad in (grad_hidden, grad_weight) if grad is not None]
+        # scaled in place even by 1 (exact): looking at the value first would wait for the device
+        torch._foreach_mul_(grads, grad_value.to(grads[0].dtype))
         return None, grad_hidden, grad_weight, None, None
 
 
@@ -263,6 +309,8 @@ def head_logprobs(
     document_index: torch.Tensor,
     spec: LossSpec,
     head: HeadSpec,
+    *,
+    labelled: LabelledRows | None = None,
 ) -> torch.Tensor:
     """The log-probs [N] that `fused_micro_batch_loss` computes for the same arguments, bit for bit.
 
@@ -280,19 +328,27 @@ def head_logprobs(
         document_index: ``[N]`` the document of each token.
         spec: the `LossSpec` of the fused loss (its loss decides the chunks).
         head: the `HeadSpec`.
+        labelled: the labelled rows when the caller knows them (no host synchronisation); else found
+            from ``mask`` and ``document_index``, and the labels checked against the vocabulary.
 
     Returns:
         ``[N]`` log-probs, 0 at unlabelled positions.
     """
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)
+    labelled = labelled or _labelled_rows(mask, document_index, labels, weight)
     labels = labels.long()
     logprobs = torch.zeros(hidden.shape[0], dtype=operands.acc_dtype, device=hidden.device)  # [N]
-    rows, chunks = _labelled_chunks(mask.detach().to(operands.acc_dtype), document_index, chunk_tokens,
-                                    spec.loss.sequence_level)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for start, end in chunks:
-            _score_chunk(operands, labels, rows[start:end], chunk_tokens, False, logprobs, None)
+        for start, end in _chunks(labelled.counts, chunk_tokens, spec.loss.sequence_level):
+            _score_chunk(operands, labels, labelled.rows[start:end], labelled.valid_rows(start, end), chunk_tokens,
+                         False, logprobs, None)
     return logprobs
+
+
+def _labelled_rows(mask, document_index, labels, weight) -> LabelledRows:
+    """The labelled rows found from the tensors, with the labels checked (both read on the host)."""
+    check_label_range(labels, weight.shape[0])
+    return LabelledRows.of_tokens(mask, document_index, labels)
 
 
 def fused_micro_batch_loss(
@@ -303,6 +359,8 @@ def fused_micro_batch_loss(
     totals: StepTotals,
     spec: LossSpec,
     head: HeadSpec,
+    *,
+    labelled: LabelledRows | None = None,
 ) -> tuple[torch.Tensor, MetricPartials]:
     """`micro_batch_loss` of ``token_logprobs(hidden, weight, labels, head)``, in one pass over the head.
 
@@ -320,6 +378,9 @@ def fused_micro_batch_loss(
         totals: the whole step's `StepTotals`.
         spec: the `LossSpec`.
         head: the `HeadSpec`.
+        labelled: the labelled rows when the caller knows them; with ``inputs.documents`` too, the call
+            reads nothing on the host (`LabelledRows`). Else found from ``inputs``, and the labels
+            checked against the vocabulary.
 
     Returns:
         ``(loss, partials)``, as `micro_batch_loss` returns them.
@@ -328,6 +389,7 @@ def fused_micro_batch_loss(
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)
     if inputs.shape != labels.shape:
         raise ValueError(f"the inputs must have the shape of labels {tuple(labels.shape)}; got {tuple(inputs.shape)}")
+    labelled = labelled or _labelled_rows(inputs.mask, inputs.document_index, labels, weight)
     acc_dtype = operands.acc_dtype
     inputs = inputs.detached(acc_dtype)
     labels = labels.long()
@@ -340,13 +402,24 @@ def fused_micro_batch_loss(
     grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if need_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
-    # the labelled rows, each document's rows together: [M]
-    rows, chunks = _labelled_chunks(inputs.mask, inputs.document_index, chunk_tokens, spec.loss.sequence_level)
-    importance = importance_weights(spec.correction, inputs)  # inputs only: once, for whole documents
-    weights = token_weights(inputs.mask, inputs.segments, totals, aggregation=spec.aggregation,
-                            divisor=spec.divisor, group_index=inputs.group_index)  # [N]
+    need_grad = need_hidden or need_weight
+    chunks = _chunks(labelled.counts, chunk_tokens, spec.loss.sequence_level)
+    # one chunk holds every labelled row: the loss, its metrics and its gradient come from one pass
+    whole = need_grad and len(chunks) == 1
+    if need_grad and not whole:
+        importance = importance_weights(spec.correction, inputs)  # inputs only: once, for whole documents
+        weights = token_weights(inputs.mask, inputs.segments, totals, aggregation=spec.aggregation,
+                                divisor=spec.divisor, group_index=inputs.group_index)  # [N]
 
-    def loss_gradient(chunk_rows, chunk_logprobs, chunk_entropy):
+    def scaled(grads, valid):
+        """``dL/dlp`` (and ``dL/dH``) of the rows, over ``T``; 0 where ``valid`` says the label is ignored."""
+        if operands.temperature != 1.0:
+            grads = [grad / operands.temperature for grad in grads]
+        if valid is not None:
+            grads = [torch.where(valid, grad, 0.0) for grad in grads]
+        return grads[0], grads[1] if spec.entropy_on else None
+
+    def loss_gradient(chunk_rows, valid, documents, chunk_logprobs, chunk_entropy):
         """``[R] -> [R], [R] | None``: ``dL/dlp`` and ``dL/dH`` (with the entropy bonus) of the rows
         (whole documents for a sequence-level loss), by autograd through `token_losses`, over ``T``."""
         leaves = [chunk_logprobs.detach().requires_grad_(True)]
@@ -354,36 +427,53 @@ def fused_micro_batch_loss(
             leaves.append(chunk_entropy.detach().requires_grad_(True))
         with torch.enable_grad():
             losses, _ = token_losses(
-                leaves[0], inputs.select(chunk_rows), spec, entropy=leaves[1] if spec.entropy_on else None,
+                leaves[0], inputs.select(chunk_rows, documents), spec, entropy=leaves[1] if spec.entropy_on else None,
                 importance=None if importance is None else importance.select(chunk_rows),
             )  # [R]
             grads = torch.autograd.grad((weights[chunk_rows] * losses).sum(), leaves)
-        valid = labels[chunk_rows] >= 0
-        grads = [torch.where(valid, grad / operands.temperature, 0.0) for grad in grads]
-        return grads[0], grads[1] if spec.entropy_on else None
+        return scaled(grads, valid)
+
+    def whole_loss(rows, valid):
+        """`micro_batch_loss` of the micro-batch, and ``dL/dlp`` and ``dL/dH`` of ``rows`` (every labelled
+        row) by autograd through it: one pass where a chunk holds every labelled row."""
+        leaves = [logprobs.detach().requires_grad_(True)]  # [N]
+        if spec.entropy_on:
+            leaves.append(entropy.detach().requires_grad_(True))
+        with torch.enable_grad():
+            value, partials = micro_batch_loss(leaves[0], inputs, totals, spec,
+                                               entropy=leaves[1] if spec.entropy_on else entropy)
+            grads = torch.autograd.grad(value, leaves)
+        return value.detach(), partials, scaled([grad[rows] for grad in grads], valid)
 
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         for start, end in chunks:
-            chunk_rows = rows[start:end]
+            chunk_rows = labelled.rows[start:end]
             # one piece, unless a document of a sequence-level loss is longer than a chunk: then the
             # log-probs of all its pieces come first, and only the last piece's buffer is still there
             # for the gradients
-            pieces, scored = _score_chunk(operands, labels, chunk_rows, chunk_tokens, with_entropy, logprobs, entropy)
-            if not (need_hidden or need_weight):
+            valid = labelled.valid_rows(start, end)  # [R] | None
+            pieces, scored = _score_chunk(operands, labels, chunk_rows, valid, chunk_tokens, with_entropy, logprobs,
+                                          entropy)
+            if not need_grad:
                 continue
-            scale, entropy_scale = loss_gradient(chunk_rows, logprobs[chunk_rows],
-                                                 entropy[chunk_rows] if with_entropy else None)  # [R]
+            if whole:
+                value, partials, (scale, entropy_scale) = whole_loss(chunk_rows, valid)
+            else:
+                scale, entropy_scale = loss_gradient(chunk_rows, valid, labelled.documents(start, end),
+                                                     logprobs[chunk_rows],
+                                                     entropy[chunk_rows] if with_entropy else None)  # [R]
             for s, e in reversed(pieces):
                 piece = chunk_rows[s:e]
                 if scored is None:  # an earlier piece: its logits again
-                    scored = _score(operands, piece, labels[piece], with_entropy=False)
-                _add_gradients(operands, piece, labels[piece], scored, scale[s:e], grad_hidden, grad_weight,
+                    scored = _score(operands, piece, labels[piece], False, None if valid is None else valid[s:e])
+                _add_gradients(operands, piece, scored, scale[s:e], grad_hidden, grad_weight,
                                entropy_scale=None if entropy_scale is None else entropy_scale[s:e],
                                entropy=entropy[piece] if entropy_scale is not None else None)
                 scored = None  # one [V, *] buffer at a time
 
-        value, partials = micro_batch_loss(logprobs, inputs, totals, spec, entropy=entropy)
-    if not (need_hidden or need_weight):
+        if not whole:
+            value, partials = micro_batch_loss(logprobs, inputs, totals, spec, entropy=entropy)
+    if not need_grad:
         return value, partials
     if grad_hidden is not None:
         grad_hidden = grad_hidden.to(hidden.dtype)

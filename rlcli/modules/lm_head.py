@@ -123,6 +123,12 @@ def labels_and_valid(labels):
 
 def check_head_inputs(hidden, weight, labels) -> None:
     """Raise ``ValueError`` naming the first invalid tensor of the head."""
+    check_head_shapes(hidden, weight, labels)
+    check_label_range(labels, weight.shape[0])
+
+
+def check_head_shapes(hidden, weight, labels) -> None:
+    """Raise ``ValueError`` naming the first tensor of the head with a wrong shape."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H]; got hidden {tuple(hidden.shape)} "
@@ -132,8 +138,12 @@ def check_head_inputs(hidden, weight, labels) -> None:
         raise ValueError(
             f"labels must be [N] = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}"
         )
-    if labels.numel() and int(labels.max()) >= weight.shape[0]:
-        raise ValueError(f"labels must be < vocab size {weight.shape[0]}, got {int(labels.max())}")
+
+
+def check_label_range(labels, vocab_size: int) -> None:
+    """Raise ``ValueError`` for a label id beyond the vocabulary (reads the largest on the host)."""
+    if labels.numel() and int(labels.max()) >= vocab_size:
+        raise ValueError(f"labels must be < vocab size {vocab_size}, got {int(labels.max())}")
 
 
 def head_operands(hidden, weight, fp32: bool):

@@ -57,6 +57,8 @@ class LossInputs:
             needs it.
         sampler_logprobs: the behaviour policy's (the sampler's) log-probs, for the mismatch correction.
         reference_logprobs: a reference policy's log-probs, for the KL penalty.
+        documents: ``Segments.of(document_index)`` when the caller knows it already (the trainer, from
+            the packer): finding the documents of a device tensor waits for the device (``unique``).
     """
 
     proximal_logprobs: torch.Tensor  # [N]
@@ -66,6 +68,7 @@ class LossInputs:
     group_index: torch.Tensor | None = None  # [N] the group of each token (any integer ids)
     sampler_logprobs: torch.Tensor | None = None  # [N]
     reference_logprobs: torch.Tensor | None = None  # [N]
+    documents: Segments | None = None  # the documents of document_index when the caller knows them
 
     def __post_init__(self):
         shape = self.proximal_logprobs.shape
@@ -77,8 +80,8 @@ class LossInputs:
                                  f"got {tuple(tensor.shape)}")
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
-        """Every field by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every ``[N]`` field by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "documents"}
 
     @property
     def shape(self) -> torch.Size:
@@ -86,34 +89,48 @@ class LossInputs:
         return self.proximal_logprobs.shape
 
     @cached_property
-    def segments(self) -> Segments:
-        """The documents of ``document_index``, computed once."""
-        return Segments.of(self.document_index)
+    def labelled(self) -> torch.Tensor:
+        """``mask > 0`` [N] bool: the tokens trained on (computed once)."""
+        return self.mask > 0
 
-    def select(self, rows: torch.Tensor) -> LossInputs:
-        """The inputs of the tokens ``rows`` [R] (whole documents for a sequence-level loss)."""
-        return LossInputs(**{name: None if value is None else value[rows] for name, value in self.tensors().items()})
+    @cached_property
+    def document_mean_weight(self) -> torch.Tensor:
+        """``m_t / max(n_d, 1)`` [N] float64: summed against values, the numerator of their document mean
+        ``μ`` (math.md#metrics); computed once."""
+        mask = plain(self.mask).to(torch.float64)
+        return mask / self.segments.broadcast(self.segments.sum(mask).clamp(min=1))
+
+    @cached_property
+    def segments(self) -> Segments:
+        """The documents of ``document_index``: ``documents`` when given, else found once."""
+        return self.documents if self.documents is not None else Segments.of(self.document_index)
+
+    def select(self, rows: torch.Tensor, documents: Segments | None = None) -> LossInputs:
+        """The inputs of the tokens ``rows`` [R] (whole documents for a sequence-level loss), with their
+        ``documents`` when the caller knows them."""
+        return LossInputs(**{name: None if value is None else value[rows] for name, value in self.tensors().items()},
+                          documents=documents)
 
     def detached(self, dtype: torch.dtype) -> LossInputs:
-        """The inputs without autograd, every one but the indices in ``dtype``."""
-        return LossInputs(**{name: value if value is None or name in _INDICES else value.detach().to(dtype)
-                             for name, value in self.tensors().items()})
+        """The inputs without autograd, every one but the indices in ``dtype`` (each as it is where it is
+        so already)."""
+        return LossInputs(**{name: value if value is None or name in _INDICES else plain(value).to(dtype)
+                             for name, value in self.tensors().items()}, documents=self.documents)
 
     def log_ratio(self, logprobs: torch.Tensor) -> torch.Tensor:
         """``lp − prox`` [N], 0 where the mask is 0."""
         # values under the mask (prompt, padding) may be anything, -inf and NaN included: never read them
-        return torch.where(self.mask > 0, logprobs - self.proximal_logprobs, 0.0)
+        return torch.where(self.labelled, logprobs - self.proximal_logprobs, 0.0)
 
     @property
     def labelled_advantages(self) -> torch.Tensor:
         """``A`` [N], 0 where the mask is 0."""
-        return torch.where(self.mask > 0, self.advantages, 0.0)
+        return torch.where(self.labelled, self.advantages, 0.0)
 
 
-def token_mean_weight(mask: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``m_t / max(n_d, 1)`` [N], in the dtype of ``mask``: a sum of it times ``v_t`` is the numerator of the
-    document mean ``μ(v)`` (math.md#metrics)."""
-    return mask / segments.broadcast(segments.sum(mask).clamp(min=1))
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without autograd: detached only where it has any (a detach is one more operation)."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,7 @@ class RatioUnits:
         """One unit per token: ``log_ratio`` [N], 0 where the mask is 0."""
         log_ratio = log_ratio.detach()
         return cls(ratio=torch.exp(log_ratio), log_ratio=log_ratio,
-                   mean_weight=token_mean_weight(inputs.mask, inputs.segments), count_weight=inputs.mask)
+                   mean_weight=inputs.document_mean_weight, count_weight=inputs.mask)
 
     @classmethod
     def of_documents(cls, log_ratio: torch.Tensor, doc_tokens: torch.Tensor) -> RatioUnits:
@@ -214,24 +231,25 @@ class DualClipLoss(ClippedRatioLoss):
     dual_clip: Optional[float] = field(default=None, metadata={  # noqa: UP045
         **DUAL_CLIP, "doc": "c of the dual clip: a token with A < 0 has its loss capped at -c x A (null: off)"})
 
-    def dual_capped(self, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-        """``[N] -> [N]`` bool: the tokens the dual clip caps, ``A_t < 0`` and ``x_t > c`` (none when off);
-        ``ratio`` the value of ``x_t``, ``advantages`` 0 where the mask is 0."""
-        cap = math.inf if self.dual_clip is None else self.dual_clip
-        return (advantages < 0) & (ratio.detach() > cap)
-
-    def dual_clipped(self, losses: torch.Tensor, capped: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-        """``ℓ^dc_t`` [N]: ``−c·A_t`` where ``capped``, ``losses`` elsewhere."""
+    def dual_capped(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor | None:
+        """``[N] -> [N]`` bool: the tokens the dual clip caps, ``A_t < 0`` and ``x_t > c``; None when it is
+        off. ``log_ratio`` is ``log x_t``, ``advantages`` 0 where the mask is 0."""
         if self.dual_clip is None:
+            return None
+        return (advantages < 0) & (torch.exp(log_ratio.detach()) > self.dual_clip)
+
+    def dual_clipped(self, losses: torch.Tensor, capped: torch.Tensor | None, advantages: torch.Tensor
+                     ) -> torch.Tensor:
+        """``ℓ^dc_t`` [N]: ``−c·A_t`` where ``capped``, ``losses`` elsewhere."""
+        if capped is None:
             return losses
         return torch.where(capped, -self.dual_clip * advantages, losses)
 
-    def add_dual_clip_partials(self, partials: MetricPartials, ratio: torch.Tensor, inputs: LossInputs) -> None:
-        """``dual_clipped_fraction`` (when on), with ``ratio`` [N] the value of each token's ``x_t``."""
+    def add_dual_clip_partials(self, partials: MetricPartials, log_ratio: torch.Tensor, inputs: LossInputs) -> None:
+        """``dual_clipped_fraction`` (when on), with ``log_ratio`` [N] the value of each token's ``log x_t``."""
         if self.dual_clip is not None:
-            capped = self.dual_capped(ratio, inputs.labelled_advantages).to(torch.float64)  # [N]
-            weight = token_mean_weight(inputs.mask.detach().to(torch.float64), inputs.segments)  # [N]
-            partials.means["dual_clipped_fraction"] = (weight * capped).sum()
+            capped = self.dual_capped(log_ratio, inputs.labelled_advantages).to(torch.float64)  # [N]
+            partials.means["dual_clipped_fraction"] = (inputs.document_mean_weight * capped).sum()
 
 
 LOSSES: Registry[type[PolicyLoss]] = Registry("loss")
@@ -277,14 +295,14 @@ class GRPO(DualClipLoss):
     def per_token(self, logprobs: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, RatioUnits]:
         log_ratio = inputs.log_ratio(logprobs)  # [N]
         advantages = inputs.labelled_advantages  # [N]
-        capped = self.dual_capped(torch.exp(log_ratio.detach()), advantages)  # [N]
+        capped = self.dual_capped(log_ratio, advantages)  # [N] | None
         # a capped token's ratio is never read: exp(0) there, so an overflowing exp cannot make its 0 gradient NaN
-        ratio = torch.exp(torch.where(capped, 0.0, log_ratio))  # [N]
+        ratio = torch.exp(log_ratio if capped is None else torch.where(capped, 0.0, log_ratio))  # [N]
         losses = self.dual_clipped(-self.clipped_objective(ratio, advantages), capped, advantages)  # [N]
-        return torch.where(inputs.mask > 0, losses, 0.0), RatioUnits.of_tokens(log_ratio, inputs)
+        return torch.where(inputs.labelled, losses, 0.0), RatioUnits.of_tokens(log_ratio, inputs)
 
     def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
-        self.add_dual_clip_partials(partials, units.ratio, inputs)
+        self.add_dual_clip_partials(partials, units.log_ratio, inputs)
 
 
 @LOSSES.register()
@@ -338,8 +356,8 @@ class CISPO(PolicyLoss):
         log_ratio = inputs.log_ratio(logprobs)  # [N]
         # exp may overflow to inf: the min with the bound is still exact, and the weight has no gradient
         weight = torch.clamp(torch.exp(log_ratio.detach()), max=1.0 + self.eps_high)  # [N]
-        labelled_logprobs = torch.where(inputs.mask > 0, logprobs, 0.0)  # [N]
-        losses = torch.where(inputs.mask > 0, -weight * inputs.labelled_advantages * labelled_logprobs, 0.0)
+        labelled_logprobs = torch.where(inputs.labelled, logprobs, 0.0)  # [N]
+        losses = torch.where(inputs.labelled, -weight * inputs.labelled_advantages * labelled_logprobs, 0.0)
         return losses, RatioUnits.of_tokens(log_ratio, inputs)
 
     def clipped(self, ratio: torch.Tensor) -> torch.Tensor:
@@ -376,7 +394,7 @@ class SAPO(PolicyLoss):
                                 log_ratio.new_tensor(math.log1p(_SIGMOID_IS_ONE / self.tau_neg)))  # [N]
         log_ratio_gate = torch.where(log_ratio > saturated, saturated, log_ratio)  # [N]
         gate = torch.sigmoid(tau * torch.expm1(log_ratio_gate)) * (4.0 / tau)  # [N] f_t(r_t)
-        losses = torch.where(inputs.mask > 0, -gate * advantages, 0.0)
+        losses = torch.where(inputs.labelled, -gate * advantages, 0.0)
         return losses, RatioUnits.of_tokens(log_ratio, inputs)
 
 
@@ -401,18 +419,19 @@ class GSPOToken(GSPO, DualClipLoss):
         rho = segments.sum(inputs.log_ratio(logprobs)) / doc_tokens.clamp(min=1)  # [S]
         advantages = inputs.labelled_advantages  # [N]
         log_seq_ratio = segments.broadcast(rho.detach())  # [N] log R_d
-        capped = self.dual_capped(torch.exp(log_seq_ratio), advantages)  # [N]
+        capped = self.dual_capped(log_seq_ratio, advantages)  # [N] | None
         # with A_t >= 0 the objective reads s_t only through min(s_t, 1 + eps_high): a larger log R_d gives the
         # same value, so stop it where exp stays finite (an inf R_d times the clipped branch's 0 would be NaN);
         # a capped token's s_t is never read: its log R_d is 0 there, for the same reason
         cap = math.log1p(self.eps_high) + 1.0
         log_seq_ratio = torch.where((advantages >= 0) & (log_seq_ratio > cap), cap, log_seq_ratio)
-        log_seq_ratio = torch.where(capped, 0.0, log_seq_ratio)
-        labelled_logprobs = torch.where(inputs.mask > 0, logprobs, 0.0)  # [N]
+        if capped is not None:
+            log_seq_ratio = torch.where(capped, 0.0, log_seq_ratio)
+        labelled_logprobs = torch.where(inputs.labelled, logprobs, 0.0)  # [N]
         token_ratio = torch.exp(log_seq_ratio) * torch.exp(labelled_logprobs - labelled_logprobs.detach())  # [N] s_t
         losses = self.dual_clipped(-self.clipped_objective(token_ratio, advantages), capped, advantages)  # [N]
-        return torch.where(inputs.mask > 0, losses, 0.0), RatioUnits.of_documents(rho, doc_tokens)
+        return torch.where(inputs.labelled, losses, 0.0), RatioUnits.of_documents(rho, doc_tokens)
 
     def add_metric_partials(self, partials: MetricPartials, units: RatioUnits, inputs: LossInputs) -> None:
         super().add_metric_partials(partials, units, inputs)  # gspo's num_segments
-        self.add_dual_clip_partials(partials, inputs.segments.broadcast(units.ratio), inputs)
+        self.add_dual_clip_partials(partials, inputs.segments.broadcast(units.log_ratio), inputs)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from rlcli.modules.aggregation import StepTotals
-from rlcli.modules.losses import LossInputs, RatioUnits
+from rlcli.modules.losses import LossInputs, RatioUnits, plain
 
 if TYPE_CHECKING:
     from rlcli.modules.policy_loss import LossSpec
@@ -65,21 +65,21 @@ def check_metrics_level(metrics: str) -> None:
         raise ValueError(f"metrics must be one of {', '.join(METRIC_LEVELS)}; got {metrics!r}")
 
 
-def document_mean_numerator(values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    """``Σ_d (1/max(n_d,1)) Σ_{t∈d} m_t v_t`` in float64, for values ``[N]`` of whole documents: the
-    numerator of the document mean ``μ(v)``. Values under the mask are never read."""
-    f64 = torch.float64
-    mask = inputs.mask.detach().to(f64)
-    doc_norm = inputs.segments.sum(mask).clamp(min=1)  # [S]
-    token_mean_weight = mask / inputs.segments.broadcast(doc_norm)  # [N] m_t / max(n_d, 1)
-    return (token_mean_weight * torch.where(mask > 0, values.detach().to(f64), 0.0)).sum()
+def document_mean_numerators(values: dict[str, torch.Tensor], inputs: LossInputs) -> dict[str, torch.Tensor]:
+    """``Σ_d (1/max(n_d,1)) Σ_{t∈d} m_t v_t`` in float64 for each of ``values`` (``[N]`` each, whole
+    documents): the numerators of their document means ``μ(v)``, in one matrix-vector product. Values
+    under the mask are never read."""
+    stacked = torch.stack([plain(value) for value in values.values()]).to(torch.float64)  # [K, N]
+    return dict(zip(values, torch.where(inputs.labelled, stacked, 0.0) @ inputs.document_mean_weight))  # [K]
 
 
 def labelled_extreme(values: torch.Tensor, inputs: LossInputs, fill: float, reduce) -> torch.Tensor:
     """``reduce`` (torch.max or torch.min) of ``values`` [N] over the labelled tokens, float64; ``fill``
     (-inf for a max, inf for a min) where there is none: `finalize_metrics` drops it."""
-    values = values.detach().to(torch.float64)
-    return reduce(torch.cat([torch.where(inputs.mask > 0, values, fill), values.new_tensor([fill])]))
+    values = plain(values).to(torch.float64)
+    if values.numel() == 0:
+        return values.new_tensor(fill)
+    return reduce(torch.where(inputs.labelled, values, fill))
 
 
 @dataclass
@@ -126,28 +126,23 @@ def metric_partials(
         return partials
     f64 = torch.float64
 
-    def doc_mean_numerator(values):
-        return document_mean_numerator(values, inputs)
-
-    partials.means["old_logprobs"] = doc_mean_numerator(inputs.proximal_logprobs)  # math.md#metrics names it so
-    partials.means["new_logprobs"] = doc_mean_numerator(logprobs)
-    partials.means["advantage"] = doc_mean_numerator(inputs.advantages)
+    # math.md#metrics names the ratio's denominator old_logprobs
+    means = {"old_logprobs": inputs.proximal_logprobs, "new_logprobs": logprobs, "advantage": inputs.advantages}
     if metrics == "with_entropy":
         if entropy is None:
             raise ValueError("metrics 'with_entropy' needs the per-token entropy")
-        partials.means["entropy"] = doc_mean_numerator(entropy)
+        means["entropy"] = entropy
+    partials.means |= document_mean_numerators(means, inputs)
 
-    ratio, log_ratio = units.ratio.to(f64), units.log_ratio.to(f64)  # [U]
-    mean_weight, count_weight = units.mean_weight.to(f64), units.count_weight.to(f64)  # [U]
-    partials.means["ratio_new_old"] = (mean_weight * ratio).sum()
-    partials.means["kl_new_old"] = (mean_weight * (ratio - 1 - log_ratio)).sum()
+    ratio, log_ratio = torch.stack([units.ratio, units.log_ratio]).to(f64)  # [U] each
+    unit_means = {"ratio_new_old": ratio, "kl_new_old": ratio - 1 - log_ratio}
     clipped = loss.clipped(ratio)  # [U] | None
     if clipped is not None:
-        partials.means["clipped_ratio_fraction"] = (mean_weight * clipped.to(f64)).sum()
-    partials.sums["ratio_new_old_sum"] = (count_weight * ratio).sum()
-    partials.sums["ratio_new_old_squared_sum"] = (count_weight * ratio.square()).sum()
+        unit_means["clipped_ratio_fraction"] = clipped
+    partials.means |= dict(zip(unit_means, torch.stack(list(unit_means.values())) @ units.mean_weight.to(f64)))
+    sums = torch.stack([ratio, ratio.square()]) @ units.count_weight.to(f64)  # [2]
+    partials.sums |= dict(zip(("ratio_new_old_sum", "ratio_new_old_squared_sum"), sums))
 
-    # the fill value stands for "no labelled token" and is dropped in finalize_metrics
     partials.maxima["max_advantage"] = labelled_extreme(inputs.advantages, inputs, -math.inf, torch.max)
     partials.minima["min_advantage"] = labelled_extreme(inputs.advantages, inputs, math.inf, torch.min)
     loss.add_metric_partials(partials, units, inputs)
@@ -168,6 +163,12 @@ def finalize_metrics(partials: MetricPartials, totals: StepTotals) -> dict[str, 
     Returns:
         The metrics by name, float64 scalars (``num_documents`` and ``num_tokens`` included).
     """
+    return without_empty_extremes(metric_values(partials, totals), partials)
+
+
+def metric_values(partials: MetricPartials, totals: StepTotals) -> dict[str, torch.Tensor]:
+    """Every metric value of `finalize_metrics`, computed on the partials' device, with the fill value of
+    a maximum or minimum over no labelled token still in: nothing is read on the host."""
     documents = totals.documents.to(torch.float64).clamp(min=1)
     out = {
         "num_documents": totals.documents.to(torch.float64),
@@ -175,5 +176,11 @@ def finalize_metrics(partials: MetricPartials, totals: StepTotals) -> dict[str, 
     }
     out |= {name: value / documents for name, value in partials.means.items()}
     out |= dict(partials.sums)
-    out |= {k: v for k, v in (partials.maxima | partials.minima).items() if torch.isfinite(v)}
-    return out
+    return out | partials.maxima | partials.minima
+
+
+def without_empty_extremes(values: dict, partials: MetricPartials) -> dict:
+    """``values`` without the maxima and minima of ``partials`` that hold their fill value (a step with
+    no labelled token); values are tensors or host numbers."""
+    extremes = partials.maxima.keys() | partials.minima.keys()
+    return {k: v for k, v in values.items() if k not in extremes or math.isfinite(v)}

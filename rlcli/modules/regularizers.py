@@ -37,7 +37,7 @@ import torch
 
 from rlcli.modules.bounds import FLOAT32_MAX, check_bounds
 from rlcli.modules.losses import LossInputs, RatioUnits
-from rlcli.modules.metrics import Metric, MetricPartials, document_mean_numerator, labelled_extreme
+from rlcli.modules.metrics import Metric, MetricPartials, document_mean_numerators, labelled_extreme
 from rlcli.modules.registry import Registry
 from rlcli.modules.segments import Segments
 
@@ -166,7 +166,7 @@ def _no_correction(correction: Correction, inputs: LossInputs) -> None:
 def _log_ratio(correction: Correction, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``log ρ = prox − behav`` [N] float64 at the correction's level, 0 where the mask is 0, and the
     mask as bool [N]."""
-    labelled = inputs.mask > 0
+    labelled = inputs.labelled
     log_ratio = torch.where(
         labelled, inputs.proximal_logprobs.detach().to(F64) - inputs.sampler_logprobs.detach().to(F64), 0.0
     )  # [N]
@@ -242,7 +242,7 @@ def token_losses(
     for the same rows (None: no correction). Differentiable w.r.t. ``logprobs`` and ``entropy``.
     """
     losses, units = spec.loss.per_token(logprobs, inputs)  # [N]
-    labelled = inputs.mask > 0
+    labelled = inputs.labelled
     if importance is not None:
         losses = losses * importance.weight.detach().to(losses.dtype)
     if spec.kl_on:
@@ -278,18 +278,19 @@ def add_term_partials(
     (max over labelled tokens) and ``is_masked_fraction = μ(1[rejected])``."""
     if metrics == "none":
         return
-    labelled = inputs.mask > 0
+    labelled = inputs.labelled
 
     def log_ratio(numerator, denominator):
         return torch.where(labelled, numerator.detach().to(F64) - denominator.detach().to(F64), 0.0)
 
+    means = {}
     if inputs.reference_logprobs is not None:
-        k3 = _metric_k3(log_ratio(inputs.reference_logprobs, logprobs))
-        partials.means["kl_ref"] = document_mean_numerator(k3, inputs)
+        means["kl_ref"] = _metric_k3(log_ratio(inputs.reference_logprobs, logprobs))
     if inputs.sampler_logprobs is not None:
-        k3 = _metric_k3(log_ratio(inputs.proximal_logprobs, inputs.sampler_logprobs))
-        partials.means["mismatch_kl"] = document_mean_numerator(k3, inputs)
+        means["mismatch_kl"] = _metric_k3(log_ratio(inputs.proximal_logprobs, inputs.sampler_logprobs))
     if importance is not None:
-        partials.means["is_weight_mean"] = document_mean_numerator(importance.weight, inputs)
+        means["is_weight_mean"] = importance.weight
+        means["is_masked_fraction"] = importance.rejected
         partials.maxima["is_weight_max"] = labelled_extreme(importance.weight, inputs, -math.inf, torch.max)
-        partials.means["is_masked_fraction"] = document_mean_numerator(importance.rejected.to(F64), inputs)
+    if means:
+        partials.means |= document_mean_numerators(means, inputs)

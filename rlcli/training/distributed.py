@@ -62,8 +62,9 @@ def step_group_numbering(local_groups: Sequence[Hashable]) -> dict[Hashable, int
     return numbering
 
 
-def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradient of ``module`` to ``max_norm`` (0: no clipping); returns the norm before.
+def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradient of ``module`` to ``max_norm`` (0: no clipping); returns the norm before, ``[]`` on the
+    device (clipping scales by a clamped factor on the device: nothing waits for it).
 
     The norm is over the whole model on every strategy: an FSDP1 root unit (``strategy=fsdp``) computes
     it over its shards, and DTensor (FSDP2) gradients reduce their norm over the shards.
@@ -77,7 +78,7 @@ def clip_grad_norm(module: torch.nn.Module, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), limit)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def all_finite(tensors: Iterable[torch.Tensor], device: torch.device) -> bool:

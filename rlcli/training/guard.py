@@ -34,9 +34,17 @@ class UpdateGuard:
         self.bad_steps = 0  # steps skipped for a non-finite loss or gradient
         self.consecutive_bad_steps = 0
 
-    def apply(self, optimizer, scheduler, model: torch.nn.Module, loss: float, tokens: int, step: int,
-              device: torch.device) -> float:
-        """Clip and apply step ``step``'s gradient of ``model``; returns the gradient norm before clipping.
+    def clip(self, model: torch.nn.Module, tokens: int, device: torch.device) -> torch.Tensor:
+        """Clip the gradient of ``model`` to ``trainer.grad_clip``; its norm before clipping, on the device
+        (0 for a step with no labelled token, ``tokens`` over all ranks, whose gradient is never applied)."""
+        if tokens == 0:
+            return torch.zeros((), device=device)
+        return distributed.clip_grad_norm(model, self.grad_clip)
+
+    def apply(self, optimizer, scheduler, model: torch.nn.Module, loss: float, grad_norm: float, tokens: int,
+              step: int, device: torch.device) -> None:
+        """Apply step ``step``'s clipped gradient of ``model``, given its loss and gradient norm (`clip`) on
+        the host.
 
         No update for a step with no labelled token (``tokens`` over all ranks), or whose loss or
         gradient is not finite on some rank (every rank sees the same all-reduced loss and norm, so all
@@ -48,8 +56,7 @@ class UpdateGuard:
             optimizer.zero_grad()
             self.empty_steps += 1
             rank_zero_warn(f"step {step}: no labelled token in the step; no update")
-            return 0.0
-        grad_norm = distributed.clip_grad_norm(model, self.grad_clip)
+            return
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             optimizer.zero_grad()
             self.bad_steps += 1
@@ -61,7 +68,7 @@ class UpdateGuard:
                     "non-finite loss or gradient (trainer.max_bad_steps). Lower optimizer.lr, keep trainer.grad_clip "
                     "on, or check the rollouts."
                 )
-            return grad_norm
+            return
         self.consecutive_bad_steps = 0
         optimizer.step()
         optimizer.zero_grad()
@@ -69,11 +76,10 @@ class UpdateGuard:
             raise TrainingDiverged(
                 f"training stopped at step {step}: after the optimizer update, parameters are NaN or "
                 f"infinite (the loss and the gradient norm {grad_norm:.4g} were finite); nothing of this step is saved "
-                "or exported. With model.dtype=float16 this is AdamW's optimizer.eps underflowing to 0 in float16: "
-                "use model.dtype=bfloat16 or float32. Else lower optimizer.lr."
+                "or exported. Lower optimizer.lr, keep trainer.grad_clip on, or train in bfloat16 or float32 rather "
+                "than float16."
             )
         scheduler.step()
-        return grad_norm
 
     def counts(self) -> dict[str, int]:
         """The steps skipped so far, by kind (`METRICS`)."""

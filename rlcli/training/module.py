@@ -17,16 +17,15 @@ import torch
 
 from rlcli.callbacks.metrics import StepMetricsCallback
 from rlcli.conf.schema import TrainerConfig
-from rlcli.data.packing import MicroBatch
 from rlcli.errors import UserError
-from rlcli.modules.metrics import Metric, MetricPartials, finalize_metrics
+from rlcli.modules.metrics import Metric, MetricPartials
 from rlcli.training import distributed
 from rlcli.training.batches import BatchPlan, UpdatePlan
 from rlcli.training.distill import add_distill_advantages
 from rlcli.training.guard import UpdateGuard
 from rlcli.training.logprobs import add_trainer_logprobs
-from rlcli.training.loss import MicroBatchLoss
-from rlcli.training.plan import UpdateTotals, mean_over_ranks, passes, plan_update, reduce_partials
+from rlcli.training.loss import DeviceMicroBatch, MicroBatchLoss, micro_batch_to_device
+from rlcli.training.plan import UpdateTotals, passes, plan_update, update_values_to_host
 from rlcli.training.rejection import BatchRejection
 from rlcli.training.reward_kl import RewardKL, add_kl_to_rewards
 from rlcli.training.sources import StepSource
@@ -124,7 +123,7 @@ class PolicyModule(L.LightningModule):
         None when every rank has used up its data."""
         if self.batch is None or self.batch.remaining == 0:
             collected = self.source.next_batch(self.batches_done, self.device)
-            if passes(collected.micro_batches, self.device) == 0 and self.source.ends_when_empty:
+            if passes(collected.micro_batches) == 0 and self.source.ends_when_empty:
                 return None
             trainer = self.trainer_config
             self.batch = BatchPlan(
@@ -141,17 +140,15 @@ class PolicyModule(L.LightningModule):
             self.batches_done += 1
         return self.batch.next_update()
 
-    def _forward_backward(self, micro_batches: list[MicroBatch], plan: UpdateTotals,
+    def _forward_backward(self, micro_batches: list[DeviceMicroBatch], plan: UpdateTotals,
                           optimizer) -> tuple[torch.Tensor, MetricPartials]:
         """Forward and backward every micro-batch (stand-ins past this rank's own); returns this rank's
-        summed loss (float64) and metric partials."""
-        count = passes(micro_batches, self.device)
+        summed loss (float64) and metric partials, on the device: nothing in here waits for it."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         partials = MetricPartials()
-        for i in range(count):
-            batch = micro_batches[i] if i < len(micro_batches) else None
-            with optimizer.toggle_model(sync_grad=i == count - 1):  # gradients sync once per step
-                loss, batch_partials = self.loss.loss(self.scorer, batch, plan, self.device)
+        for i, micro_batch in enumerate(micro_batches):
+            with optimizer.toggle_model(sync_grad=i == len(micro_batches) - 1):  # gradients sync once per step
+                loss, batch_partials = self.loss.loss(self.scorer, micro_batch, plan)
                 self.manual_backward(loss * distributed.gradient_scale())
             total += loss.detach().to(torch.float64)
             partials = partials + batch_partials
@@ -161,24 +158,32 @@ class PolicyModule(L.LightningModule):
         """One optimizer update; returns ``{"step": N, "metrics": row, "documents": ids, "completions":
         lines}`` (the row the same on every rank, ``ids`` this rank's documents, ``lines`` this rank's
         lines of ``completions.jsonl``: those of its batch on the batch's first update, else none), or
-        None once every rank is out of data."""
+        None once every rank is out of data.
+
+        The update is planned on the host (`plan_update`) and its micro-batches moved to the device at
+        once; then the device works through them without the host waiting for it, until the loss,
+        gradient norm and metrics come back in one transfer to decide on the update
+        (`update_values_to_host`)."""
         update = self._next_update()
         if update is None:
             self.trainer.should_stop = True  # every rank has used up its data
             return None
-        plan = plan_update(update.micro_batches, self.device)
+        plan = plan_update(update.micro_batches, self.device, update.stats)
+        mine = update.micro_batches
+        micro_batches = [micro_batch_to_device(mine[i] if i < len(mine) else None, plan.group_numbering, self.device)
+                         for i in range(plan.passes)]
         optimizer = self.optimizers()
-        loss, partials = self._forward_backward(update.micro_batches, plan, optimizer)
-        metrics = {"loss": distributed.all_reduce(loss, "sum")}
-        metrics |= finalize_metrics(reduce_partials(partials, self.device), plan.totals)
+        loss, partials = self._forward_backward(micro_batches, plan, optimizer)
+        grad_norm = self.guard.clip(self.scorer, plan.tokens, self.device)
+        loss_value, norm_value, metrics = update_values_to_host(loss, grad_norm, partials, plan.totals)
         self.steps_done += 1
-        self.documents_seen += int(plan.totals.documents.item())
+        self.documents_seen += plan.documents
         lr = optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-        metrics["grad_norm"] = self.guard.apply(optimizer, self.lr_schedulers(), self.scorer, float(metrics["loss"]),
-                                                int(plan.totals.tokens.item()), self.steps_done, self.device)
+        self.guard.apply(optimizer, self.lr_schedulers(), self.scorer, loss_value, norm_value, plan.tokens,
+                         self.steps_done, self.device)
         self.source.after_update(self.steps_done)
-        metrics |= {"documents_seen": self.documents_seen, "lr": lr} | self.guard.counts()
-        metrics |= mean_over_ranks(update.stats, self.device)
+        metrics |= {"loss": loss_value, "grad_norm": norm_value, "documents_seen": self.documents_seen, "lr": lr}
+        metrics |= self.guard.counts() | plan.stats
         if update.carried_over is not None:
             metrics["carried_documents"] = update.carried_over
         for callback in self.trainer.callbacks:  # after the update, on every rank

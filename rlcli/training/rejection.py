@@ -51,7 +51,7 @@ class BatchRejection:
                                 mask=micro_batch.mask, document_index=micro_batch.document_index,
                                 sampler_logprobs=micro_batch.sampler_logprobs)
             kept, rejected = reject_tokens(self.correction, inputs)
-            masks = micro_batch.completion_values(kept.mask)  # one tuple of 0/1 per document
+            masks = micro_batch.completion_values(kept.mask.tolist())  # one tuple of 0/1 per document
             for doc, mask, out in zip(micro_batch.documents, masks, rejected.tolist()):
                 values[id(doc)] = {"completion_mask": tuple(int(v) for v in mask), "rejected": out}
             labelled = micro_batch.mask.sum(dtype=torch.float64)

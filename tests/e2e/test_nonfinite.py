@@ -61,15 +61,15 @@ PARAMETERS_NOT_FINITE = "after the optimizer update, parameters are NaN or infin
 
 
 @pytest.mark.slow
-def test_float16_parameters_that_an_update_makes_nan_stop_the_run_and_nothing_is_exported(tmp_path):
-    """The issue's repro: float16 parameters without mixed precision, where AdamW's eps underflows to 0
-    and the first update writes NaN; before, the skipped steps that followed ended with exit 0 and NaN
-    weights exported, however large trainer.max_bad_steps."""
-    result = run(["data=rollouts", "model.dtype=float16", "trainer.max_steps=3", "trainer.max_bad_steps=100",
-                  "trainer.checkpoint_every=1", "hydra.run.dir=run"], tmp_path)
+def test_parameters_an_update_makes_nan_stop_the_run_and_nothing_is_exported(tmp_path):
+    """An update that writes NaN into the weights (the issue's repro was float16 parameters, where the
+    unfused AdamW's eps underflowed to 0): before, the skipped steps that followed ended with exit 0 and
+    NaN weights exported, however large trainer.max_bad_steps."""
+    result = run(["data=rollouts", "trainer.max_steps=3", "trainer.max_bad_steps=100", "trainer.checkpoint_every=1",
+                  "hydra.run.dir=run", *callbacks_override("NanParametersAt", step=1, rank=0)], tmp_path, **FAULTS_ENV)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"rlcli train: error: training stopped at step 1: {PARAMETERS_NOT_FINITE}" in result.stderr
-    assert "model.dtype=float16" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "export").exists()
     assert not list((tmp_path / "run").glob("checkpoints/*.ckpt"))  # the NaN weights are nowhere
 

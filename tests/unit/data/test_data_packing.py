@@ -152,7 +152,7 @@ def test_completion_values_invert_the_label_layout():
                dict(prompt_ids=[6], completion_ids=[7], old_logprobs=[-3.0], advantage=1.0)]
     docs = [validate_record(r, source=f"x:{i}", index=i, vocab_size=10) for i, r in enumerate(records)]
     batch = make_micro_batch(docs)
-    assert batch.completion_values(batch.sampler_logprobs) == [(-0.5, 0.0, -2.0), (-3.0,)]
+    assert batch.completion_values(batch.sampler_logprobs.tolist()) == [(-0.5, 0.0, -2.0), (-3.0,)]
 
 
 class ListQueue:

@@ -24,7 +24,7 @@ from rlcli.errors import UserError
 from rlcli.training.batches import BatchPlan
 from rlcli.training.distill import add_distill_advantages
 from rlcli.training.logprobs import add_trainer_logprobs
-from rlcli.training.loss import MicroBatchLoss
+from rlcli.training.loss import MicroBatchLoss, micro_batch_to_device
 from rlcli.training.module import PolicyModule
 from rlcli.training.plan import plan_update
 from train_helpers import compose_train_config
@@ -109,7 +109,7 @@ def test_the_step_gradient_with_those_advantages_equals_the_float64_reference(mo
     scorer = loss.scorer(student)
     scorer.zero_grad()
     for micro_batch in update.micro_batches:
-        loss.loss(scorer, micro_batch, totals, CPU)[0].backward()
+        loss.loss(scorer, micro_batch_to_device(micro_batch, totals.group_numbering, CPU), totals)[0].backward()
 
     student64, teacher64 = float64_copy(student), float64_copy(teacher)
     labelled = sum(d.num_labelled for d in docs)

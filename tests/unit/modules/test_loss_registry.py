@@ -154,7 +154,7 @@ def test_a_float_option_given_as_a_huge_int_is_a_float():
     assert type(loss.eps_high) is float and loss.eps_high == 2.0**64 and type(loss.dual_clip) is float
     ratio, advantages = torch.tensor([0.5, 3.0]), torch.tensor([-1.0, 1.0])  # [N]
     assert loss.clipped(ratio).tolist() == [True, False]  # 0.5 < 1 - eps_low; 3 <= 1 + 2**64
-    assert loss.dual_capped(ratio, advantages).tolist() == [False, False]
+    assert loss.dual_capped(ratio.log(), advantages).tolist() == [False, False]
 
 
 # --------------------------------------------------------------------------------------------
