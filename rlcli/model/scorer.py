@@ -25,16 +25,14 @@ class PackedDocuments:
     longest: int  # the longest document's length
 
     def model_kwargs(self, attn_implementation: str | None, position_ids: torch.Tensor) -> dict:
-        """The model's keyword arguments for this row: position ids (none for a single document, whose
-        positions are the default ones) and its documents, by the attention kernel's convention: a
-        block-diagonal causal mask for ``sdpa``, document offsets for ``varlen``. Other kernels get
-        the position ids alone and find the documents themselves."""
+        """The model's keyword arguments for this row: its position ids and its documents, by the attention
+        kernel's convention: a block-diagonal causal mask for ``sdpa`` (also for a single document, where
+        transformers would otherwise look at the position ids on the host to find that out), document
+        offsets for ``varlen``. Other kernels get the position ids alone and find the documents themselves."""
         kwargs = {"position_ids": position_ids[None]}
         if attn_implementation == varlen_attention.NAME:
             return kwargs | dict(cu_seq_lens_q=self.offsets, cu_seq_lens_k=self.offsets, max_length_q=self.longest,
                                  max_length_k=self.longest)
-        if self.offsets.numel() == 2:  # one document: plain causal attention over the default positions
-            return {}
         if attn_implementation == "sdpa":
             length = self.index.numel()
             same = self.index.unsqueeze(1) == self.index  # [L, L]

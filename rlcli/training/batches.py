@@ -60,6 +60,7 @@ class BatchPlan:
         self.stats = stats or {}
         self.carried_over = carried_over
         self.done = done  # updates already handed out
+        self.runs: dict[int, list[int]] = {}  # epoch -> the mini-batch of each group
         documents = [doc for micro_batch in micro_batches for doc in micro_batch.documents]
         self.documents = documents
         self.numbering = distributed.step_group_numbering([doc.group_id for doc in documents])
@@ -77,7 +78,10 @@ class BatchPlan:
         """This rank's micro-batches of each update of ``epoch``, in order (possibly none in one)."""
         if self.minibatches == 1:
             return [self.micro_batches]
-        runs = minibatch_of_groups(len(self.numbering), self.minibatches, _epoch_seed(self.seed, self.batch, epoch))
+        if epoch not in self.runs:  # the mini-batch of each group, drawn once per epoch
+            self.runs[epoch] = minibatch_of_groups(len(self.numbering), self.minibatches,
+                                                   _epoch_seed(self.seed, self.batch, epoch)).tolist()
+        runs = self.runs[epoch]
         return [list(pack_documents([doc for doc in self.documents if runs[self.numbering[doc.group_id]] == part],
                                     self.max_tokens)) for part in range(self.minibatches)]
 
