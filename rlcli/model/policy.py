@@ -71,8 +71,9 @@ def build_policy(cfg: TinyModelConfig | HFModelConfig, default_vocab_size: int =
 def compile_body(model: torch.nn.Module) -> None:
     """``model.compile``: `torch.compile` the transformer body (``model.base_model``, what `TokenScorer`
     runs) in place, with dynamic shapes, so that packed rows of any length share one compiled graph; the
-    compilation itself happens at the first forward. A `UserError` where torch.compile cannot run here
-    (inductor needs a C++ compiler, also to launch its GPU kernels)."""
+    compilation itself happens at the first forward. A `UserError` where torch.compile cannot run here,
+    checked now rather than at the first step: inductor finds no working C++ compiler (it builds CPU kernels
+    with one)."""
     from torch._inductor import cpp_builder
 
     try:
