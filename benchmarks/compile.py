@@ -2,8 +2,9 @@
 
 The packed loop of `benchmarks.throughput` (same synthetic rollouts, same tiny Llama built by
 `rlcli.model.policy.build_policy`, `TokenScorer` with the fused head + GRPO loss, backward per row) runs
-twice, on two copies of the model from the same seed: eager, and with its transformer body compiled as
-``model.compile=true`` does (`rlcli.model.policy.compile_body`, dynamic shapes). The first pass of each
+twice, on two copies of the model from the same seed: eager, and compiled as ``model.compile=true`` does
+(the transformer body by `rlcli.model.policy.compile_body`, the loss by ``HeadSpec(compile=True)``; dynamic
+shapes). The first pass of each
 runs with inductor's on-disk caches off, so the compiled one pays a whole compile as a first run on a
 machine does; then ``--repeats`` passes of each, in turns, give the median pass time and the speed-up
 (the median of the ratios of each round). The number of graphs compiled over all passes is counted
@@ -65,12 +66,12 @@ def run(args) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch._dynamo.reset()  # count this benchmark's compiles only
     rollouts = throughput._rollouts(args)
-    head = HeadSpec(fp32=device.type == "cuda", chunk_tokens=args.chunk_tokens)
     passes, info = {}, {}
     for name in ("eager", "compiled"):
         model, info["attention"] = throughput._model(args, device)
         if name == "compiled":
             compile_body(model)
+        head = HeadSpec(fp32=device.type == "cuda", chunk_tokens=args.chunk_tokens, compile=name == "compiled")
         passes[name], info["packed_micro_batches"] = throughput._packed_pass(
             rollouts, model, head, device, args.max_tokens)
     result = dict(documents=len(rollouts), real_tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),

@@ -150,7 +150,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.processes)
-    loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction)
+    loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction, cfg.model.compile)
     reference = build_reference(cfg, policy)
     module = PolicyModule(
         policy, loss, cfg.trainer, partial(build_optimizer, cfg.optimizer, cfg.trainer.max_steps),

@@ -132,8 +132,8 @@ class TinyModelConfig:
         "the attention kernel; varlen: attention within each packed document")
     suggested_lr: float = described("optimizer.lr unless it is set: a tiny model learns fast", gt=0)
     compile: bool = described(
-        "torch.compile the transformer body of the policy, reference and teacher (dynamic shapes: packed rows of any "
-        "length share one compile)")
+        "torch.compile the transformer body of the policy, reference and teacher, and the loss on the head's "
+        "log-probs (dynamic shapes: packed rows of any length share one compile)")
 
 
 @dataclass
@@ -149,8 +149,8 @@ class HFModelConfig:
     trust_remote_code: bool = described("let transformers run the checkpoint's own model code")
     suggested_lr: float = described("optimizer.lr unless it is set: a usual RL rate for pretrained models", gt=0)
     compile: bool = described(
-        "torch.compile the transformer body of the policy, reference and teacher (dynamic shapes: packed rows of any "
-        "length share one compile)")
+        "torch.compile the transformer body of the policy, reference and teacher, and the loss on the head's "
+        "log-probs (dynamic shapes: packed rows of any length share one compile)")
 
 
 @dataclass

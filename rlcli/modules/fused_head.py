@@ -44,6 +44,7 @@ its proximal (and a reference model's) log-probs with ratio 1 and ``kl_ref`` 0 e
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
@@ -282,6 +283,17 @@ def _score_chunk(head: _Head, labels, chunk_rows, valid, chunk_tokens: int, with
     return pieces, scored
 
 
+@functools.cache
+def _compiled(function):
+    """``function`` through ``torch.compile`` with dynamic shapes: one graph for micro-batches of any size."""
+    return torch.compile(function, dynamic=True)
+
+
+def _loss_function(head: HeadSpec):
+    """`micro_batch_loss`, compiled when ``head.compile`` says so."""
+    return _compiled(micro_batch_loss) if head.compile else micro_batch_loss
+
+
 class _WithGradients(torch.autograd.Function):
     """``value`` with gradients for ``hidden`` and ``weight`` that were computed in the forward."""
 
@@ -403,6 +415,7 @@ def fused_micro_batch_loss(
     grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
 
     need_grad = need_hidden or need_weight
+    loss_of_logprobs = _loss_function(head)
     chunks = _chunks(labelled.counts, chunk_tokens, spec.loss.sequence_level)
     # one chunk holds every labelled row: the loss, its metrics and its gradient come from one pass
     whole = need_grad and len(chunks) == 1
@@ -440,7 +453,7 @@ def fused_micro_batch_loss(
         if spec.entropy_on:
             leaves.append(entropy.detach().requires_grad_(True))
         with torch.enable_grad():
-            value, partials = micro_batch_loss(leaves[0], inputs, totals, spec,
+            value, partials = loss_of_logprobs(leaves[0], inputs, totals, spec,
                                                entropy=leaves[1] if spec.entropy_on else entropy)
             grads = torch.autograd.grad(value, leaves)
         return value.detach(), partials, scaled([grad[rows] for grad in grads], valid)
@@ -472,7 +485,7 @@ def fused_micro_batch_loss(
                 scored = None  # one [V, *] buffer at a time
 
         if not whole:
-            value, partials = micro_batch_loss(logprobs, inputs, totals, spec, entropy=entropy)
+            value, partials = loss_of_logprobs(logprobs, inputs, totals, spec, entropy=entropy)
     if not need_grad:
         return value, partials
     if grad_hidden is not None:

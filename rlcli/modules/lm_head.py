@@ -65,11 +65,16 @@ class HeadSpec:
         chunk_tokens: a number ``> 0`` keeps at most ``chunk_tokens × V`` logits at any moment;
             ``0`` scores every token in one chunk; ``"auto"`` is `auto_chunk_tokens` for the
             vocabulary and device.
+        compile: `fused_micro_batch_loss` runs the loss on the head's log-probs (`micro_batch_loss`: its
+            value, metrics and, for a micro-batch in one chunk, gradient) through ``torch.compile`` with
+            dynamic shapes, its many small elementwise operations fused into few kernels. The chunks'
+            matrix products, and the per-chunk gradient of a micro-batch in several chunks, stay eager.
     """
 
     temperature: float = field(default=1.0, metadata=TEMPERATURE)
     fp32: bool = False
     chunk_tokens: int | str = "auto"
+    compile: bool = False
 
     def __post_init__(self):
         check_bounds(self)

@@ -23,7 +23,6 @@ import math
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 import torch
@@ -40,6 +39,21 @@ _INDICES = ("document_index", "group_index")
 EPS_HIGH = {"ge": 0, "le": FLOAT32_MAX}
 # c of the dual clip: above 1 (at c <= 1 the cap would act inside the clip range), and a float32 number
 DUAL_CLIP = {"gt": 1, "le": FLOAT32_MAX}
+
+
+class computed_once:  # noqa: N801 (a decorator, like the functools one it stands for)
+    """`functools.cached_property` without its lock, which ``torch.compile`` cannot trace (Python 3.11):
+    the value is computed on the first read and kept in the instance from then on."""
+
+    def __init__(self, function):
+        self.function, self.name, self.__doc__ = function, function.__name__, function.__doc__
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        value = self.function(instance)
+        instance.__dict__[self.name] = value  # read before this descriptor from now on
+        return value
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -88,19 +102,19 @@ class LossInputs:
         """``[N]``"""
         return self.proximal_logprobs.shape
 
-    @cached_property
+    @computed_once
     def labelled(self) -> torch.Tensor:
         """``mask > 0`` [N] bool: the tokens trained on (computed once)."""
         return self.mask > 0
 
-    @cached_property
+    @computed_once
     def document_mean_weight(self) -> torch.Tensor:
         """``m_t / max(n_d, 1)`` [N] float64: summed against values, the numerator of their document mean
         ``μ`` (math.md#metrics); computed once."""
         mask = plain(self.mask).to(torch.float64)
         return mask / self.segments.broadcast(self.segments.sum(mask).clamp(min=1))
 
-    @cached_property
+    @computed_once
     def segments(self) -> Segments:
         """The documents of ``document_index``: ``documents`` when given, else found once."""
         return self.documents if self.documents is not None else Segments.of(self.document_index)

@@ -9,9 +9,11 @@ import torch
 
 @dataclass(frozen=True)
 class Segments:
-    """The documents of a flat token tensor, renumbered 0..S-1 in order of first id.
+    """The documents of a flat token tensor, numbered 0..S-1 in order of their ids.
 
-    ``inverse[t]`` is the segment of token t; ``count`` the number of segments S.
+    ``inverse[t]`` is the segment of token t; ``count`` the number of segments S. `of` finds them from
+    any ids (``unique``: it reads the ids on the host); a caller that knows them builds one directly,
+    e.g. ``Segments(inverse=document_index, count=S)`` for ids that are 0..S-1 already.
     """
 
     inverse: torch.Tensor  # [N] long

@@ -160,6 +160,7 @@ class StopStrings:
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # model.compile is for training: generation's shapes would recompile
 def sample_completions(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],

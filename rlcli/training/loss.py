@@ -79,10 +79,11 @@ def micro_batch_to_device(batch: MicroBatch | None, group_numbering: dict, devic
 class MicroBatchLoss:
     """What to optimise and report (``loss``, ``aggregation``, ``metrics``, ``kl``, ``correction``), applied
     to one micro-batch at a time. With ``loss.old_logprobs=recompute`` the ratio's denominator is the
-    trainer's own log-probs at the start of the batch (`rlcli.training.logprobs`), else the sampler's."""
+    trainer's own log-probs at the start of the batch (`rlcli.training.logprobs`), else the sampler's.
+    ``compile`` (``model.compile``): the loss math through ``torch.compile`` (`HeadSpec.compile`)."""
 
     def __init__(self, loss: LossConfig, aggregation: AggregationConfig, metrics: str, kl: KLConfig,
-                 correction: CorrectionConfig) -> None:
+                 correction: CorrectionConfig, compile: bool = False) -> None:
         self.spec = LossSpec(
             loss=loss.objective, aggregation=aggregation.name, divisor=aggregation.divisor, metrics=metrics,
             kl=KLPenalty(coef=kl.coef, estimator=kl.estimator or KLPenalty.estimator,  # null: the default, k3
@@ -91,7 +92,8 @@ class MicroBatchLoss:
             correction=None if correction.mode == "none" else Correction(
                 mode=correction.mode, level=correction.level, low=correction.low, high=correction.high),
         )
-        self.head = HeadSpec(temperature=loss.temperature, fp32=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens)
+        self.head = HeadSpec(temperature=loss.temperature, fp32=loss.fp32_lm_head, chunk_tokens=loss.chunk_tokens,
+                             compile=compile)
         self.recompute = loss.old_logprobs == "recompute"
 
     def scorer(self, policy: torch.nn.Module) -> TokenScorer:

@@ -225,8 +225,8 @@ def test_the_library_defaults_are_the_config_defaults():
     cfg = compose_train_config(["data=rollouts"])
     spec, head = LossSpec(), HeadSpec()
     assert (spec.loss.name, spec.aggregation, spec.metrics) == (cfg.loss.name, cfg.aggregation.name, cfg.metrics.level)
-    assert (head.temperature, head.fp32, head.chunk_tokens) == (cfg.loss.temperature, cfg.loss.fp32_lm_head,
-                                                                cfg.loss.chunk_tokens)
+    assert (head.temperature, head.fp32, head.chunk_tokens, head.compile) == (
+        cfg.loss.temperature, cfg.loss.fp32_lm_head, cfg.loss.chunk_tokens, cfg.model.compile)
 
 
 @pytest.mark.parametrize(

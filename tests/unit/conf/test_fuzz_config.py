@@ -384,7 +384,8 @@ MODEST = {"model.hidden_size": st.sampled_from([8, 16]), "model.intermediate_siz
           "trainer.accumulate_microbatches": st.integers(1, 2), "trainer.minibatches": st.integers(1, 2),
           "trainer.batch_epochs": st.integers(1, 2), "data.max_tokens": st.integers(16, 64),
           "eval.samples": st.integers(1, 2), "eval.prompts": st.integers(1, 2), "optimizer.lr": st.floats(1e-6, 1e-2),
-          "optimizer.warmup_steps": st.integers(0, 3)}
+          "optimizer.warmup_steps": st.integers(0, 3),
+          "model.compile": st.just(False)}  # compiling costs a run up to minutes on CPU (tests/*/test_compile_*)
 RUNNABLE = ("loss.", "aggregation.", "metrics.", "model.", "optimizer.", "trainer.precision",
             "trainer.grad_clip", "kl.coef", "kl.estimator", "correction.", "advantage.", "rollout.", "eval.",
             "trainer.minibatches", "trainer.batch_epochs", "trainer.accumulate_microbatches", "seed")
