@@ -28,6 +28,7 @@ from benchmarks import throughput
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
+from benchmarks.timing import time_in_turns
 
 
 def _parse(argv):
@@ -86,13 +87,7 @@ def run(args) -> dict:
             sync()
             result[f"{name}_first_s"] = time.perf_counter() - start
     clock = time.process_time if args.cpu_time else time.perf_counter
-    times = {name: [] for name in passes}
-    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in both
-        for name, fn in passes.items():
-            start = clock()
-            fn()
-            sync()
-            times[name].append(clock() - start)
+    times = time_in_turns(passes, args.repeats, clock, sync, warm_up=False)  # the first pass warmed up
     for name in passes:
         result[f"{name}_s"] = statistics.median(times[name])
         result[f"{name}_tokens_per_s"] = result["real_tokens"] / result[f"{name}_s"]

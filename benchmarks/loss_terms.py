@@ -28,6 +28,7 @@ from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
 from benchmarks.throughput import _model, _rollouts
+from benchmarks.timing import time_in_turns
 
 
 def _parse(argv):
@@ -118,7 +119,7 @@ def run(args) -> dict:
     if args.cpu_time:
         torch.set_num_threads(1)
     try:
-        times = _time_in_turns(steps, args.repeats, time.process_time if args.cpu_time else time.perf_counter, sync)
+        times = time_in_turns(steps, args.repeats, time.process_time if args.cpu_time else time.perf_counter, sync)
     finally:
         torch.set_num_threads(threads)
     result = dict(documents=args.documents, micro_batches=len(rows), model=dict(hidden=args.hidden,
@@ -130,22 +131,6 @@ def run(args) -> dict:
     for name in ("recompute", "kl", "distill"):
         result[f"{name}_ratio"] = statistics.median(b / a for a, b in zip(times["plain"], times[name]))
     return result
-
-
-def _time_in_turns(steps: dict, repeats: int, clock, sync) -> dict[str, list[float]]:
-    """Each step's times by ``clock`` after a warm-up, the steps in turns, so that a change in the machine's
-    load shows in all of them."""
-    for fn in steps.values():
-        fn()  # warm-up
-        sync()
-    times = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, fn in steps.items():
-            start = clock()
-            fn()
-            sync()
-            times[name].append(clock() - start)
-    return times
 
 
 def format_table(r: dict) -> str:

@@ -35,6 +35,7 @@ import torch
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
+from benchmarks.timing import time_in_turns
 
 PROMPT_TOKENS = 16
 
@@ -215,16 +216,7 @@ def run(args) -> dict:
     built = loops(args)
     result = built.info | dict(threads=torch.get_num_threads())
     passes = {"packed": built.packed, "padded": built.padded}
-    for fn in passes.values():
-        fn()  # warm-up
-        sync()
-    times = {name: [] for name in passes}
-    for _ in range(args.repeats):  # in turns, so that a change in the machine's load shows in both
-        for name, fn in passes.items():
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    times = time_in_turns(passes, args.repeats, time.perf_counter, sync)
     for name in passes:
         result[f"{name}_s"] = statistics.median(times[name])
         result[f"{name}_tokens_per_s"] = result["real_tokens"] / statistics.median(times[name])
