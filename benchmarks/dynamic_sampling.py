@@ -9,7 +9,7 @@ the filter), the batches that needed more than one round, the empty steps (a bat
 nothing, so a run of N steps may read more than N batches); from the rows' timestamps, the mean seconds a batch
 (the start-up left out), and its ratio to the plain run's.
 
-    python -m benchmarks.dynamic_sampling [--steps 100] [--json PATH]
+    python -m benchmarks.dynamic_sampling [--steps 100] [--runs RUN ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ def format_table(r: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dynamic_sampling", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN",
+                        help=f"the runs to make, the first is the others' baseline: {', '.join(map(repr, RUNS))}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     common = ["train", f"trainer.max_steps={args.steps}", f"trainer.max_bad_steps={args.steps}", "logger=none"]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, overrides) in enumerate(RUNS.items()):
-            rows, total = timed_rows([*common, *overrides], Path(tmp) / str(i))
+        for i, name in enumerate(args.runs):
+            rows, total = timed_rows([*common, *RUNS[name]], Path(tmp) / str(i))
             runs.append(summary(name, rows, total))
     result = {"steps": args.steps, "runs": runs}
     return report(result, format_table(result), args.json)
