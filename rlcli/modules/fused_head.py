@@ -17,7 +17,11 @@ others. A document of a sequence-level loss with more labelled tokens than ``chu
 not fit one chunk: it is cut into pieces of ``chunk_tokens`` (the first takes the remainder), their
 log-probs are computed first, then the gradients, the last piece's from the buffer still held and
 the others' from recomputed logits: ``2·(length - chunk_tokens)·H·V`` more operations for the
-document. The backward only scales the stored gradients by the incoming scalar.
+document. The backward only scales the stored gradients by the incoming scalar. When one chunk
+holds every labelled row (the usual case), ``g``, the loss's value and its metrics come from one
+`micro_batch_loss` pass over the micro-batch; with several chunks, ``g`` comes chunk by chunk and
+the value and metrics from a last pass. Given `LabelledRows` and ``inputs.documents``, nothing in
+here reads a tensor back to the host.
 
 The terms of `rlcli.modules.regularizers` go through the same autograd on the chunk's ``[C]``
 tensors. The KL term and the correction change ``g`` only (the correction's weights depend on the
@@ -309,7 +313,7 @@ class _WithGradients(torch.autograd.Function):
         ctx.grads = None  # hand the buffers over: the weight's gradient is not copied
         grads = [grad for grad in (grad_hidden, grad_weight) if grad is not None]
         # scaled in place even by 1 (exact): looking at the value first would wait for the device
-        torch._foreach_mul_(grads, grad_value.to(grads[0].dtype))
+        torch._foreach_mul_(grads, grad_value)
         return None, grad_hidden, grad_weight, None, None
 
 
@@ -347,7 +351,8 @@ def head_logprobs(
         ``[N]`` log-probs, 0 at unlabelled positions.
     """
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)
-    labelled = labelled or _labelled_rows(mask, document_index, labels, weight)
+    if labelled is None:
+        labelled = _labelled_rows(mask, document_index, labels, weight)
     labels = labels.long()
     logprobs = torch.zeros(hidden.shape[0], dtype=operands.acc_dtype, device=hidden.device)  # [N]
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
@@ -401,7 +406,8 @@ def fused_micro_batch_loss(
     operands, chunk_tokens = _make_head(hidden, weight, labels, head)
     if inputs.shape != labels.shape:
         raise ValueError(f"the inputs must have the shape of labels {tuple(labels.shape)}; got {tuple(inputs.shape)}")
-    labelled = labelled or _labelled_rows(inputs.mask, inputs.document_index, labels, weight)
+    if labelled is None:
+        labelled = _labelled_rows(inputs.mask, inputs.document_index, labels, weight)
     acc_dtype = operands.acc_dtype
     inputs = inputs.detached(acc_dtype)
     labels = labels.long()
