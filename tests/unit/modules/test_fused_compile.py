@@ -53,6 +53,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 @pytest.mark.parametrize("loss, chunk_tokens", [("grpo", 0), ("gspo", 8)])  # one chunk; several, whole documents
 def test_the_compiled_loss_equals_eager_and_compiles_once(loss, chunk_tokens):
     torch._dynamo.reset()
+    counters.clear()  # the counts of this test only (a reset leaves them)
     spec = LossSpec(loss=loss, metrics="with_entropy")
     eager, compiled = HeadSpec(chunk_tokens=chunk_tokens), HeadSpec(chunk_tokens=chunk_tokens, compile=True)
     for seed, lengths in enumerate([[9, 14, 5], [20, 7, 11, 26]]):  # two sizes: one graph for both
