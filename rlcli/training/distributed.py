@@ -53,10 +53,15 @@ def all_gather_objects(obj) -> list:
 
 
 def step_group_numbering(local_groups: Sequence[Hashable]) -> dict[Hashable, int]:
-    """The same ``group_id -> index`` map on every rank: groups numbered in order of first
-    appearance, rank 0's first."""
+    """The same ``group_id -> index`` map on every rank (`number_groups` of every rank's groups)."""
+    return number_groups(all_gather_objects(list(dict.fromkeys(local_groups))))
+
+
+def number_groups(ranks_groups: Iterable[Iterable[Hashable]]) -> dict[Hashable, int]:
+    """``group_id -> index`` of the groups of every rank (rank 0's first), numbered in order of first
+    appearance."""
     numbering: dict[Hashable, int] = {}
-    for groups in all_gather_objects(list(dict.fromkeys(local_groups))):
+    for groups in ranks_groups:
         for group in groups:
             numbering.setdefault(group, len(numbering))
     return numbering

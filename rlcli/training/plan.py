@@ -58,15 +58,12 @@ def plan_update(micro_batches: list[MicroBatch], device: torch.device, stats: di
     for doc in (doc for batch in micro_batches for doc in batch.documents):
         counts = groups.setdefault(doc.group_id, [0, 0])
         counts[0] += not doc.rejected
-        counts[1] += sum(1 for keep in doc.completion_mask if keep)
+        counts[1] += doc.num_labelled
     ranks = distributed.all_gather_objects({"groups": groups, "passes": len(micro_batches), "stats": stats or {}})
-    numbering: dict = {}
-    group_counts: list[list[int]] = []
+    numbering = distributed.number_groups(rank["groups"] for rank in ranks)
+    group_counts = [[0, 0] for _ in numbering]  # [documents counted in D, labelled tokens] of each group
     for rank in ranks:
         for group, (documents, tokens) in rank["groups"].items():
-            if group not in numbering:
-                numbering[group] = len(numbering)
-                group_counts.append([0, 0])
             group_counts[numbering[group]][0] += documents
             group_counts[numbering[group]][1] += tokens
     documents = sum(c[0] for c in group_counts)
