@@ -76,7 +76,7 @@ def run(args) -> dict:
         passes[name], info["packed_micro_batches"] = throughput._packed_pass(
             rollouts, model, head, device, args.max_tokens)
     result = dict(documents=len(rollouts), real_tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts),
-                  model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
+                  model=throughput.model_sizes(args), chunk_tokens=args.chunk_tokens,
                   device=str(device), device_name=device_name(device), threads=torch.get_num_threads(),
                   dtype="bfloat16, fp32 head" if device.type == "cuda" else "float32",
                   timer="CPU time, one thread" if args.cpu_time else "wall time", **info)
@@ -99,7 +99,8 @@ def run(args) -> dict:
 def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['documents']} rollouts, {r['real_tokens']} tokens in {r['packed_micro_batches']} packed rows; tiny Llama "
-        f"H={r['model']['hidden']} layers={r['model']['layers']} V={r['model']['vocab']} in {r['dtype']}, attention "
+        f"H={r['model']['hidden']} layers={r['model']['layers']} "
+        f"heads={r['model']['heads']} V={r['model']['vocab']} in {r['dtype']}, attention "
         f"{r['attention']}, fused head chunk_tokens={r['chunk_tokens']}, on {r['device_name']} "
         f"({r['threads']} threads)",
         "",

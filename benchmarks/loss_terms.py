@@ -27,7 +27,7 @@ import torch
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
-from benchmarks.throughput import _model, _rollouts
+from benchmarks.throughput import _model, _rollouts, model_sizes
 from benchmarks.timing import time_in_turns
 
 
@@ -122,8 +122,8 @@ def run(args) -> dict:
         times = time_in_turns(steps, args.repeats, time.process_time if args.cpu_time else time.perf_counter, sync)
     finally:
         torch.set_num_threads(threads)
-    result = dict(documents=args.documents, micro_batches=len(rows), model=dict(hidden=args.hidden,
-                  layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens, attention=attention,
+    result = dict(documents=args.documents, micro_batches=len(rows), model=model_sizes(args),
+                  chunk_tokens=args.chunk_tokens, attention=attention,
                   device=str(device), device_name=device_name(device),
                   timer="CPU time, one thread" if args.cpu_time else "wall time")
     for name in steps:
@@ -136,7 +136,8 @@ def run(args) -> dict:
 def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['documents']} rollouts in {r['micro_batches']} packed micro-batches; tiny Llama H={r['model']['hidden']} "
-        f"layers={r['model']['layers']} V={r['model']['vocab']}, attention {r['attention']}, on {r['device_name']}; "
+        f"layers={r['model']['layers']} "
+        f"heads={r['model']['heads']} V={r['model']['vocab']}, attention {r['attention']}, on {r['device_name']}; "
         f"median step ({r['timer']})",
         "",
         "| step | time (s) | ratio to plain |",

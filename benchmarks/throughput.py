@@ -38,6 +38,7 @@ from benchmarks.output import report
 from benchmarks.timing import time_in_turns
 
 PROMPT_TOKENS = 16
+HEAD_SIZE = 64  # the model's attention head size, as in real models
 
 
 def _parse(argv):
@@ -91,6 +92,11 @@ def _attention(args, device) -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "varlen"
 
 
+def model_sizes(args) -> dict:
+    """The benchmark model's sizes, as the results record them."""
+    return dict(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // HEAD_SIZE), vocab=args.vocab)
+
+
 def _model(args, device):
     from omegaconf import OmegaConf
 
@@ -98,6 +104,9 @@ def _model(args, device):
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
     cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
+    # model=tiny's 2 heads would be 512 wide at H=1024, over the flash
+    # kernels' limit of 256, and attention would fall back to the quadratic-memory math kernel
+    cfg.num_heads = model_sizes(args)["heads"]
     cfg.vocab_size, cfg.max_position_embeddings = args.vocab, max(1024, args.max_tokens)
     cfg.dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg.attn_implementation = _attention(args, device)
@@ -202,7 +211,7 @@ def loops(args) -> Loops:
     info = dict(documents=len(rollouts), real_tokens=real_tokens, completion_range=[args.min_completion,
                 args.max_completion], packed_micro_batches=rows, padded_batches=len(padded),
                 padded_batch_size=batch_size, padded_tokens_incl_padding=sum(b[0].numel() for b in padded),
-                model=dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab), chunk_tokens=args.chunk_tokens,
+                model=model_sizes(args), chunk_tokens=args.chunk_tokens,
                 device=str(device), device_name=device_name(device), attention=attn_implementation,
                 dtype="bfloat16, fp32 head" if fp32_head else "float32")
     return Loops(packed=packed_pass, padded=_padded_pass(padded, model, head_dtype), info=info)
@@ -229,6 +238,7 @@ def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['documents']} rollouts, completions {r['completion_range'][0]}..{r['completion_range'][1]} tokens, "
         f"{r['real_tokens']} real tokens; tiny Llama H={r['model']['hidden']} layers={r['model']['layers']} "
+        f"heads={r['model']['heads']} "
         f"V={r['model']['vocab']} in {r['dtype']}, attention {r['attention']}, on {r['device_name']} "
         f"({r['threads']} threads); median pass",
         "",

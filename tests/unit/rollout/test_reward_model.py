@@ -19,6 +19,7 @@ from rlcli.rollout.tasks import Prompt
 
 PROMPTS = ["3+4=", "<|im_start|>user\nAdd the numbers. 12+5=<|im_end|>\n<|im_start|>assistant\n", "Q", "1+1="]
 COMPLETIONS = ["7", "The answer is 17, since 12+5=17.", "", "2 <think> </think>"]
+ON_CPU = {"device": "cpu"}  # float32: the default device and dtype have a test of their own
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,9 @@ def prompts(texts=PROMPTS) -> list[Prompt]:
 
 
 def values(directory, completions=COMPLETIONS, texts=PROMPTS, **options) -> list[float]:
-    """The ``model`` term's values on ``completions`` of the prompts ``texts``, through `build_rewards`."""
-    rewards = build_rewards([{"name": "model", "path": str(directory), **options}])
+    """The ``model`` term's values on ``completions`` of the prompts ``texts``, through `build_rewards`, in float32
+    on the CPU also where a GPU is (there the default is bfloat16, too coarse for these comparisons)."""
+    rewards = build_rewards([{"name": "model", "path": str(directory), **ON_CPU, **options}])
     return [score.terms["model"] for score in rewards.score_batch(completions, prompts(texts))]
 
 
@@ -163,8 +165,8 @@ def test_a_directory_without_a_tokenizer(tmp_path, reward_model):
 def test_beside_pooled_terms_the_model_stays_in_the_training_process(reward_model):
     """With a worker pool, only the other terms go to it (a worker would load its own copy of the model); the
     columns come back in the terms' order."""
-    rewards = build_rewards([{"name": "model", "path": str(reward_model)}, {"name": "regex", "pattern": "7"}],
-                            workers=1)
+    rewards = build_rewards([{"name": "model", "path": str(reward_model), **ON_CPU},
+                             {"name": "regex", "pattern": "7"}], workers=1)
     try:
         assert [spec["name"] for spec in rewards.pool.specs] == ["regex"]
         scores = rewards.score_batch(COMPLETIONS, prompts())
