@@ -25,6 +25,7 @@ from rlcli.conf import build_target
 from rlcli.conf.schema import HFModelConfig, TrainConfig
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
+from rlcli.model.lora import add_adapters, base_fingerprint, has_adapters
 from rlcli.model.policy import build_policy, compile_body
 from rlcli.training.loss import MicroBatchLoss
 from rlcli.training.module import PolicyModule
@@ -92,11 +93,13 @@ def build_trainer(cfg: TrainConfig, resolved: DictConfig, run_dir: Path, strateg
 
 def build_reference(cfg: TrainConfig, policy: torch.nn.Module) -> torch.nn.Module | None:
     """The reference policy of the KL penalty when its log-probs come from a model: a frozen copy of the
-    starting weights (``kl.reference=initial``) or a checkpoint; None without a penalty or with the
-    rollouts' own ``ref_logprobs``."""
+    starting weights (``kl.reference=initial``; with LoRA the policy itself, whose adapters are switched off
+    for it) or a checkpoint; None without a penalty or with the rollouts' own ``ref_logprobs``."""
     if cfg.kl.coef == 0 or cfg.kl.reference == "rollouts":
         return None
     if cfg.kl.reference == "initial":
+        if has_adapters(policy):
+            return policy  # the policy with its adapters off (`PolicyModule`)
         reference = copy.deepcopy(policy)  # a copy is not compiled
         if cfg.model.compile:
             compile_body(reference)
@@ -124,7 +127,7 @@ def load_frozen_model(key: str, path: str, cfg: TrainConfig, policy: torch.nn.Mo
     frozen = build_policy(HFModelConfig(
         kind="hf", path=path, dtype=model.dtype, gradient_checkpointing=False,
         attn_implementation=model.attn_implementation, trust_remote_code=getattr(model, "trust_remote_code", False),
-        suggested_lr=model.suggested_lr, compile=model.compile,
+        suggested_lr=model.suggested_lr, compile=model.compile, lora=None,
     ), key=key)
     if frozen.config.vocab_size != policy.config.vocab_size:
         student = model.path if model.kind == "hf" else "model=tiny"
@@ -149,6 +152,10 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     data = DATA_KINDS[cfg.data.kind](cfg, run_dir)
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
+    fingerprint = None
+    if cfg.model.lora is not None and cfg.model.lora.rank > 0:
+        add_adapters(policy, cfg.model.lora, base_path=getattr(cfg.model, "path", None))
+        fingerprint = base_fingerprint(policy)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.processes)
     loss = MicroBatchLoss(cfg.loss, cfg.aggregation, cfg.metrics.level, cfg.kl, cfg.correction, cfg.model.compile)
     reference = build_reference(cfg, policy)
@@ -157,7 +164,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
         data.source_factory(policy), seed=cfg.seed, max_tokens=cfg.data.max_tokens,
         reference=reference, teacher=build_teacher(cfg, policy, reference),
         distill_coef=cfg.distill.coef if cfg.advantage.estimator == "distill" else None, shard=shard,
-        reward_kl=RewardKL.of(cfg),
+        reward_kl=RewardKL.of(cfg), base_fingerprint=fingerprint,
     )
     callbacks = build_callbacks(cfg, resolved, run_dir, run, evaluation)
     return module, build_trainer(cfg, resolved, run_dir, strategy, callbacks)

@@ -14,6 +14,7 @@ from rich.tree import Tree
 
 from rlcli.callbacks.metrics import step_row
 from rlcli.callbacks.preemption import stop_code
+from rlcli.model.lora import parameter_counts
 
 # metric -> True if higher is better (the summary's "best" column)
 SUMMARY_METRICS = {"loss": False, "reward": True, "accuracy": True, "kl_new_old": False}
@@ -48,9 +49,10 @@ class RichConsole(L.Callback):
         if not trainer.is_global_zero:
             return
         self.console.print(config_tree(self.cfg))
-        params = sum(p.numel() for p in pl_module.parameters())
+        trainable, total = parameter_counts(pl_module.policy)
         device = type(trainer.accelerator).__name__.replace("Accelerator", "")
-        self.console.print(f"policy: {params:,} parameters, {trainer.world_size} process(es) on {device}")
+        self.console.print(f"policy: {total:,} parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%), "
+                           f"{trainer.world_size} process(es) on {device}")
         self.console.print(f"run directory: {self.run_dir}")
         self.progress = Progress(
             TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),

@@ -54,6 +54,18 @@ def rule_problems(cfg: TrainConfig, command: str, invalid: set[str]) -> list[str
     return problems
 
 
+@rule("model")
+def _lora_targets(cfg: TrainConfig, command: str) -> Iterator[str]:
+    lora = cfg.model.lora
+    if lora is None or lora.rank == 0:
+        return
+    targets = lora.target_modules
+    if not (targets == "all-linear" or (isinstance(targets, list) and targets
+                                        and all(isinstance(t, str) and t for t in targets))):
+        yield (f"model.lora.target_modules: all-linear or a non-empty list of module names (q_proj, v_proj, ...), "
+               f"got {targets!r}")
+
+
 @rule("data")
 def data_groups(cfg: TrainConfig, command: str) -> Iterator[str]:
     """The groups that only some data kinds read are left out with the others."""

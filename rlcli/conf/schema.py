@@ -114,6 +114,23 @@ class MetricsConfig:
         "which loss metrics a step logs: none, basic (ratios, KL, clip fraction, advantages) or with_entropy")
 
 
+LORA_INITS = ("default", "gaussian")  # peft's initialisations that leave the base model as it is and B = 0
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (peft), for model=tiny and model=hf."""
+
+    rank: int = described("the adapters' rank; 0: no adapters, the whole model trains", ge=0)
+    alpha: float = described("the adapters' scale is alpha / rank", gt=0)
+    dropout: float = described("dropout on the adapters' input (0 keeps the first step on-policy)", ge=0, lt=1)
+    target_modules: Any = described(
+        "the layers that get adapters: all-linear (every linear layer but the LM head) or a list of module names "
+        "(q_proj, v_proj, ...)")
+    init: Literal[LORA_INITS] = described(
+        "default: A random (Kaiming), B zero; gaussian: A Gaussian, B zero (both start at the base model)")
+
+
 @dataclass
 class TinyModelConfig:
     """A small randomly initialised Llama-style causal LM built from a config (no download)."""
@@ -134,6 +151,7 @@ class TinyModelConfig:
     compile: bool = described(
         "torch.compile the transformer body of the policy, reference and teacher, and the loss on the head's "
         "log-probs (dynamic shapes: packed rows of any length share one compile)")
+    lora: Optional[LoraConfig] = described("LoRA adapters: only they train when lora.rank > 0 (null: none)")
 
 
 @dataclass
@@ -151,6 +169,7 @@ class HFModelConfig:
     compile: bool = described(
         "torch.compile the transformer body of the policy, reference and teacher, and the loss on the head's "
         "log-probs (dynamic shapes: packed rows of any length share one compile)")
+    lora: Optional[LoraConfig] = described("LoRA adapters: only they train when lora.rank > 0 (null: none)")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlcli.errors import UserError
+from rlcli.model.lora import served_weights
 
 __all__ = ["CPU_HEAD_SIZES", "OPTION_DOCS", "OWNED_OPTIONS", "VLLMEngine", "checkpoint_weights"]
 
@@ -122,7 +123,7 @@ class VLLMEngine:
                             "it through its Transformers backend, which cannot share a process with the trainer; "
                             "sample in processes of their own (`rlcli loop rollout.engine=vllm`) or with "
                             "rollout.engine=hf")
-        engine.load_weights(policy.named_parameters())
+        engine.load_weights(served_weights(policy))
         return engine
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:

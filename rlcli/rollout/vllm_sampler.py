@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlcli.model.lora import served_weights
 from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, check_request
 from rlcli.rollout.vllm_engine import VLLMEngine
 
@@ -52,7 +53,7 @@ class VLLMSampler(SamplingOptions):
 
         check_request(prompts, max_new_tokens)
         if self.policy is not None:
-            self.sync_seconds = self.engine.load_weights(self.policy.named_parameters())
+            self.sync_seconds = self.engine.load_weights(served_weights(self.policy))
         stops = sorted({*stop_ids, *self.stop_ids})
         seeds = torch.randint(0, SEED_BOUND, (len(prompts),), generator=generator).tolist()
         params = [

@@ -13,11 +13,13 @@ from rlcli.training import distributed
 
 
 def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
-    """Write the trained policy in Hugging Face format (safetensors), gathered from every shard.
+    """Write the trained policy in Hugging Face format (safetensors), gathered from every shard; with LoRA
+    adapters, the merged model, and the adapters alone in peft's format in ``adapter/``.
 
     Called on every rank. Policy weights that hold a NaN or an infinity are never written: every
     rank raises `UserError` instead. A storage that refuses the files (a full disk) is a `StorageError`.
     """
+    from rlcli.model.lora import has_adapters, merged_weights, save_adapter
     from rlcli.model.policy import save_tokenizer_if_any
 
     if not distributed.all_finite(module.scorer.parameters(), module.device):
@@ -31,7 +33,9 @@ def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
         transformers_logging.disable_progress_bar()
         state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
         try:
-            module.policy.save_pretrained(export_dir, state_dict=state)
+            module.policy.save_pretrained(export_dir, state_dict=merged_weights(module.policy, state))
+            if has_adapters(module.policy):
+                save_adapter(module.policy, state, export_dir / "adapter")
             save_tokenizer_if_any(model_cfg, export_dir)
         except Exception as err:
             refused = _refused_by_storage(err)

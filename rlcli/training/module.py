@@ -18,6 +18,7 @@ import torch
 from rlcli.callbacks.metrics import StepMetricsCallback
 from rlcli.conf.schema import TrainerConfig
 from rlcli.errors import UserError
+from rlcli.model.lora import adapter_state, adapters_off
 from rlcli.modules.metrics import Metric, MetricPartials
 from rlcli.training import distributed
 from rlcli.training.batches import BatchPlan, UpdatePlan
@@ -42,6 +43,18 @@ METRICS = {
 }
 
 
+class AdaptersOff:
+    """A scorer with the policy's LoRA adapters switched off: the base model, the reference of
+    ``kl.reference=initial`` without a copy of the weights (not a module: its weights are the policy's)."""
+
+    def __init__(self, scorer: torch.nn.Module) -> None:
+        self.scorer = scorer
+
+    def __call__(self, *args, **kwargs):
+        with adapters_off(self.scorer):
+            return self.scorer(*args, **kwargs)
+
+
 class PolicyModule(L.LightningModule):
     """Policy-gradient training of a Hugging Face causal LM on packed rollouts.
 
@@ -54,6 +67,8 @@ class PolicyModule(L.LightningModule):
     term each token's advantage gets ``distill_coef`` times (`rlcli.training.distill`; the same object
     as ``reference`` when one model is both). ``reward_kl``: ``kl.placement=reward``'s batch stage, which
     recomputes each batch's advantages from the rewards less the KL (`rlcli.training.reward_kl`).
+    With LoRA adapters (`rlcli.model.lora`), ``reference`` may be ``policy`` itself: the policy with its
+    adapters off; ``base_fingerprint`` names the frozen base weights, and checkpoints hold the adapters only.
     """
 
     def __init__(
@@ -71,12 +86,16 @@ class PolicyModule(L.LightningModule):
         distill_coef: float | None = None,
         shard: Callable | None = None,
         reward_kl: RewardKL | None = None,
+        base_fingerprint: str | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.loss = loss
         self.scorer = loss.scorer(policy)
-        self.reference = None if reference is None else loss.scorer(reference.requires_grad_(False))
+        self.reference_is_base = reference is policy
+        self.reference = None if reference is None or self.reference_is_base else loss.scorer(
+            reference.requires_grad_(False))
+        self.base_fingerprint = base_fingerprint
         self.teacher = self.reference if teacher is not None and teacher is reference else (
             None if teacher is None else loss.scorer(teacher.requires_grad_(False)))
         self.distill_coef = distill_coef
@@ -131,7 +150,8 @@ class PolicyModule(L.LightningModule):
                 seed=self.seed, batch=self.batches_done, max_tokens=self.max_tokens, stats=collected.stats,
                 carried_over=collected.carried_over,
             )
-            add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=self.reference,
+            reference = AdaptersOff(self.scorer) if self.reference_is_base else self.reference
+            add_trainer_logprobs(self.batch, self.loss, self.device, policy=self.scorer, reference=reference,
                                  teacher=self.teacher)
             self.rejection(self.batch, self.device)
             add_kl_to_rewards(self.batch, self.reward_kl)
@@ -210,9 +230,17 @@ class PolicyModule(L.LightningModule):
                 {"source": self.source.state_dict(), "batch": batch, "torch_rng": torch.get_rng_state()}
             ),
         }
+        if self.base_fingerprint is not None:  # LoRA: the adapters, and the base model they belong to
+            checkpoint["state_dict"] = adapter_state(checkpoint["state_dict"])
+            checkpoint["rlcli"]["base_model"] = self.base_fingerprint
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["rlcli"]
+        if self.base_fingerprint is not None:
+            self._load_adapters_only(checkpoint)
+        elif "base_model" in state:
+            raise UserError("resume: the checkpoint holds LoRA adapters, and this run trains the whole model; "
+                            "resume with the checkpoint's model.lora settings")
         if len(state["ranks"]) != self.trainer.world_size:
             raise UserError(
                 f"resume: the checkpoint was written by {len(state['ranks'])} processes, this run has "
@@ -229,3 +257,17 @@ class PolicyModule(L.LightningModule):
             self.batch = BatchPlan.from_state(mine["batch"], minibatches=trainer.minibatches,
                                               epochs=trainer.batch_epochs, seed=self.seed, max_tokens=self.max_tokens)
         torch.set_rng_state(mine["torch_rng"])
+
+    def _load_adapters_only(self, checkpoint: dict) -> None:
+        """A checkpoint of adapters: refused unless it belongs to this run's base model, then completed with
+        the base weights as loaded, for Lightning's strict loading."""
+        written = checkpoint["rlcli"].get("base_model")
+        if written is None:
+            raise UserError("resume: the checkpoint holds a whole model, and this run trains LoRA adapters "
+                            "(model.lora.rank > 0); resume with the checkpoint's model.lora.rank=0")
+        if written != self.base_fingerprint:
+            raise UserError("resume: the checkpoint's adapters were trained on other base weights than this run's "
+                            "model (its weights changed since, or model.path names another model); resume with "
+                            "the base model the checkpoint was trained on")
+        base = {name: value for name, value in self.state_dict().items() if name not in checkpoint["state_dict"]}
+        checkpoint["state_dict"] = base | checkpoint["state_dict"]
