@@ -272,3 +272,26 @@ def test_loop_with_a_vllm_sampler_streams_on_policy_records(engine, tmp_path):
     rows = metrics(tmp_path / "run")
     assert len(rows) == 6
     assert_first_step_on_policy(rows[0])
+
+
+def test_lora_on_a_checkpoint_samples_with_the_current_adapters_at_every_step(engine, tmp_path):
+    """model=hf + task=prompts + LoRA (issue 30): vLLM gets the policy merged with its current adapters before
+    every sampling, so every step starts on-policy, not only the first (the adapters move from step 1 on, and
+    kl_ref, 0 at step 1, grows). Fails if vLLM serves the base weights or the adapters' names: the ratio of the
+    steps after the first would leave 1."""
+    from rlcli.commands.train import train
+
+    model = factories.make_tiny_qwen2(tmp_path / "model", hidden_size=128)  # 4 heads of 32: vLLM's CPU kernels
+    data = factories.make_arithmetic_dataset(tmp_path / "train.jsonl", 8, seed=0)
+    train(compose_train_config(["model=hf", f"model.path={model}", "model.lora.rank=16", "optimizer.lr=1e-2",
+                                "task=prompts", f"task.paths=[{data}]", "rollout.engine=vllm",
+                                "task.rewards=[{name: length_penalty, max_chars: 1, per_char: 0.5}]",  # rewards vary
+                                f"loss.temperature={TEMPERATURE}", "rollout.max_new_tokens=4",
+                                "rollout.prompts_per_step=4", "rollout.group_size=4", "kl.coef=0.05",
+                                "trainer.max_steps=3", "logger=none"]), tmp_path / "run")
+    rows = metrics(tmp_path / "run")
+    assert len(rows) == 3
+    for row in rows:
+        assert_first_step_on_policy(row)
+    assert float(rows[0]["kl_ref"]) == 0 and float(rows[-1]["kl_ref"]) > 1e-6
+    assert (tmp_path / "run" / "export" / "adapter" / "adapter_model.safetensors").is_file()
