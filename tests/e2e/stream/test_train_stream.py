@@ -209,3 +209,28 @@ def test_a_signal_stops_a_trainer_waiting_on_an_empty_stream_at_once(redis_url, 
     assert time.monotonic() - started < 60
     assert (tmp_path / "checkpoints" / "step-1.ckpt").is_file()
     assert not json.loads(client(redis_url).get("rlcli:rollouts:weights"))["final"]  # samplers wait for a resume
+
+
+def test_with_lora_the_published_weights_are_the_merged_policy(redis_url, tmp_path):
+    """model.lora: each published version is a whole Hugging Face model, the base merged with the adapters of
+    that version, named as the base model names its weights: a sampler loading it computes what the trained
+    policy computes. Fails if the adapters' own names or the unmerged base were published."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with StreamWriter(redis_url) as writer:
+        writer.push_many([record(i) for i in range(3)])
+    module = train(compose_train_config(overrides(redis_url, "model.lora.rank=4", "optimizer.lr=0.05")), tmp_path)
+
+    published = load_file(tmp_path / "weights" / "v3" / "model.safetensors")
+    assert not any(".lora_" in k or ".base_layer" in k for k in published)
+    sampler = AutoModelForCausalLM.from_pretrained(tmp_path / "weights" / "v3", dtype=torch.float64).eval()
+    assert published.keys() == AutoModelForCausalLM.from_config(sampler.config).state_dict().keys()
+    policy = module.policy.to(torch.float64).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        assert not torch.equal(expected, AutoModelForCausalLM.from_pretrained(
+            tmp_path / "weights" / "v2", dtype=torch.float64)(input_ids=ids).logits)  # a version per update
+        torch.testing.assert_close(sampler(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
+    assert (tmp_path / "weights" / "v3" / "adapter" / "adapter_model.safetensors").is_file()
