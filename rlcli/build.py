@@ -142,7 +142,7 @@ def build_publisher(cfg: TrainConfig, run_dir: Path) -> WeightPublisher | None:
         return None
     p = cfg.publish
     return WeightPublisher(Path(p.dir) if p.dir else run_dir / "weights", url=cfg.data.url, stream=cfg.data.stream,
-                           every=p.every, keep=p.keep, model_cfg=cfg.model)
+                           every=p.every, keep=p.keep, model_cfg=cfg.model, adapter_only=p.lora == "adapter")
 
 
 def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,

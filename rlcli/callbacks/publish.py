@@ -1,4 +1,5 @@
-"""Weights back to the samplers: the policy in Hugging Face format at ``publish.dir/v<version>/``,
+"""Weights back to the samplers: the policy in Hugging Face format at ``publish.dir/v<version>/`` (with
+``publish.lora=adapter``, its LoRA adapters alone, in peft's format),
 announced in Redis at ``<stream>:weights`` as ``{version, path, documents_seen, final}``.
 
 The version is the number of training steps done: v0 the starting weights, at the start of training;
@@ -39,13 +40,15 @@ class WeightPublisher(L.Callback):
     """Publishes the policy's weights as training goes (a `rlcli.callbacks.metrics.StepMetricsCallback`:
     a step's ``weight_publish_time`` joins its row)."""
 
-    def __init__(self, directory: Path, *, url: str, stream: str, every: int, keep: int, model_cfg) -> None:
+    def __init__(self, directory: Path, *, url: str, stream: str, every: int, keep: int, model_cfg,
+                 adapter_only: bool = False) -> None:
         self.directory = Path(directory).absolute()
         self.url = url
         self.stream = stream
         self.every = every
         self.keep = keep
         self.model_cfg = model_cfg
+        self.adapter_only = adapter_only  # publish.lora=adapter: the LoRA adapters alone
         self.published: int | None = None  # the newest version published by this process
         self._conn = None
 
@@ -71,7 +74,7 @@ class WeightPublisher(L.Callback):
         if version != self.published:
             partial = self.directory / f".v{version}.partial"
             try:
-                export_policy(module, trainer, partial, self.model_cfg)
+                export_policy(module, trainer, partial, self.model_cfg, adapter_only=self.adapter_only)
             except Exception:  # a full disk: the half-written version goes, the run ends with the message
                 shutil.rmtree(partial, ignore_errors=True)
                 raise

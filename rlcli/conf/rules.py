@@ -66,6 +66,17 @@ def _lora_targets(cfg: TrainConfig, command: str) -> Iterator[str]:
                f"got {targets!r}")
 
 
+@rule("model", "publish", commands=TRAINING)
+def _adapter_publishing(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.publish is None or cfg.publish.lora != "adapter":
+        return
+    if cfg.model.lora is None or cfg.model.lora.rank == 0:
+        yield "publish.lora=adapter: publishes LoRA adapters, and model.lora.rank is 0 (no adapters)"
+    elif cfg.model.kind != "hf":
+        yield ("publish.lora=adapter: the samplers apply the adapters to the base model they load from model.path; "
+               "model=tiny has none on disk (use model=hf, or publish.lora=merged)")
+
+
 @rule("data")
 def data_groups(cfg: TrainConfig, command: str) -> Iterator[str]:
     """The groups that only some data kinds read are left out with the others."""
@@ -139,7 +150,7 @@ def vllm_truncation(cfg: TrainConfig, command: str) -> Iterator[str]:
            "(correction.mode=truncate or mask) or sample without truncation")
 
 
-@rule("loss", "kl", "correction", "strategy", "data", commands=TRAINING)
+@rule("loss", "kl", "correction", "strategy", "data", "model", commands=TRAINING)
 def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
     """What the KL penalty, the mismatch correction and the ratio's denominator need of each other."""
     kl, correction = cfg.kl, cfg.correction
@@ -152,9 +163,12 @@ def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
         return
     if kl.reference == "rollouts" and cfg.data.kind not in ("rollouts", "stream"):
         yield "kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts or stream"
-    if kl.reference != "rollouts" and cfg.strategy.name in ("fsdp", "fsdp2"):
+    lora = cfg.model.lora is not None and cfg.model.lora.rank > 0
+    adapters_off = kl.reference == "initial" and lora and cfg.strategy.name == "fsdp2"  # the sharded policy itself
+    if kl.reference != "rollouts" and cfg.strategy.name in ("fsdp", "fsdp2") and not adapters_off:
         yield ("kl.reference: a reference model runs with strategy=auto or ddp; with fsdp/fsdp2 give "
-               "the rollouts' ref_logprobs (kl.reference=rollouts)")
+               "the rollouts' ref_logprobs (kl.reference=rollouts), or, with fsdp2, train LoRA adapters "
+               "(model.lora.rank > 0): kl.reference=initial is then the policy with its adapters off")
 
 
 @rule("rollout", "data", "trainer", commands=TRAINING)

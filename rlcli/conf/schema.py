@@ -235,6 +235,9 @@ class PublishConfig:
         "a shared filesystem)")
     every: int = described("publish the weights after every N steps", ge=1)
     keep: int = described("the newest versions kept on disk", ge=1)
+    lora: Literal["merged", "adapter"] = described(
+        "with model.lora: publish the merged model (merged), or the adapters alone, which the samplers apply to "
+        "the base model at model.path (adapter: a fraction of the bytes; model=hf)")
 
 
 @dataclass

@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,6 +125,25 @@ def save_adapter(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dire
     save_file({PEFT_PREFIX + name: value.contiguous() for name, value in adapters.items()},
               directory / "adapter_model.safetensors")
     model.peft_config[ADAPTER].save_pretrained(directory)
+
+
+@dataclass(frozen=True)
+class PublishedAdapter:
+    """A directory of adapters in peft's format (``publish.lora=adapter``): the base model they apply to and
+    their rank."""
+
+    base: str
+    rank: int
+
+
+def published_adapter(path: str | Path) -> PublishedAdapter | None:
+    """The adapters at ``path`` when it holds adapters alone (``adapter_config.json``, no ``config.json``);
+    None for a whole model."""
+    path = Path(path)
+    if (path / "config.json").is_file() or not (path / "adapter_config.json").is_file():
+        return None
+    config = json.loads((path / "adapter_config.json").read_text())
+    return PublishedAdapter(base=config["base_model_name_or_path"], rank=config["r"])
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import torch
 
 from rlcli.errors import UserError
+from rlcli.model.lora import published_adapter
 from rlcli.modules.registry import Registry
 from rlcli.rollout.sampler import HFSampler, Sampler
-from rlcli.rollout.vllm_engine import VLLMEngine, checkpoint_weights
+from rlcli.rollout.vllm_engine import Adapter, VLLMEngine, checkpoint_weights
 from rlcli.rollout.vllm_sampler import VLLMSampler
 
 __all__ = ["ENGINES", "SamplingEngine", "Samplers", "build_sampler", "sampling_options"]
@@ -64,8 +65,13 @@ class HFEngine:
     def of_checkpoint(self, path: str | Path, options: dict[str, Any]) -> Sampler:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+        adapter = published_adapter(path)
+        model = AutoModelForCausalLM.from_pretrained(path if adapter is None else adapter.base, dtype=torch.float32,
                                                      trust_remote_code=self.trust_remote_code)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
         return HFSampler(model.eval(), **options)
 
     def close(self) -> None:
@@ -80,7 +86,8 @@ class VLLMEngines:
     this process (training's rollouts and ``eval.every`` share one: a second in-process engine would tear
     down the first one's process groups); each of its samplers loads the policy's weights before it
     samples. Checkpoints are loaded one after another into one engine of this object's, built with the
-    first and freed by `close`.
+    first and freed by `close`; published adapters (``publish.lora=adapter``) are applied per request by
+    that engine, built with LoRA for the base model they name, whose weights it loads once.
     """
 
     _of_policies: weakref.WeakKeyDictionary[torch.nn.Module, VLLMEngine] = weakref.WeakKeyDictionary()
@@ -89,6 +96,7 @@ class VLLMEngines:
         self.options = rollout.vllm
         self.trust_remote_code = trust_remote_code
         self.engine: VLLMEngine | None = None  # the checkpoints'
+        self.adapters = 0  # the published adapters loaded so far (each its own number in the engine)
 
     def of_policy(self, policy: torch.nn.Module, options: dict[str, Any]) -> Sampler:
         engine = self._of_policies.get(policy)
@@ -97,11 +105,20 @@ class VLLMEngines:
         return VLLMSampler(engine, policy=policy, **options)
 
     def of_checkpoint(self, path: str | Path, options: dict[str, Any]) -> Sampler:
+        adapter = published_adapter(path)
         if self.engine is None:
             from transformers import AutoConfig
 
-            self.engine = VLLMEngine(AutoConfig.from_pretrained(path, trust_remote_code=self.trust_remote_code),
-                                     self.options)
+            source, lora = (path, {}) if adapter is None else (adapter.base, dict(
+                enable_lora=True, max_lora_rank=lora_rank_bound(adapter.rank)))
+            self.engine = VLLMEngine(AutoConfig.from_pretrained(source, trust_remote_code=self.trust_remote_code),
+                                     {**self.options, **lora})
+            if adapter is not None:
+                self.engine.load_weights(checkpoint_weights(adapter.base))
+        if adapter is not None:
+            self.adapters += 1
+            log.info("sampling with the LoRA adapter at %s on %s", path, adapter.base)
+            return VLLMSampler(self.engine, adapter=Adapter(str(path), self.adapters), **options)
         seconds = self.engine.load_weights(checkpoint_weights(path))
         log.info("weights loaded into vLLM in %.2f s from %s", seconds, path)
         return VLLMSampler(self.engine, **options)
@@ -110,6 +127,15 @@ class VLLMEngines:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def lora_rank_bound(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM takes (one of `vllm.config.lora.MaxLoRARanks`) that holds ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return min(bound for bound in get_args(MaxLoRARanks) if bound >= rank)
 
 
 def sampling_options(rollout: Any, tokenizer: Any) -> dict[str, Any]:

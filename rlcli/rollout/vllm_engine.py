@@ -17,6 +17,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ OWNED_OPTIONS = {
     "skip_tokenizer_init": "rlcli passes token ids",
     "load_format": "rlcli loads the weights itself",
     "logprobs_mode": "always processed_logprobs, the log-probs at the sampling temperature",
+    "enable_lora": "on for an engine that samples published adapters (publish.lora=adapter)",
+    "max_lora_rank": "the published adapters' rank",
 }
 # the vllm.LLM arguments rlcli's config sets (rollout.vllm.*), each with its description
 OPTION_DOCS = {
@@ -85,6 +88,15 @@ def checkpoint_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter in peft's format (a published version, ``publish.lora=adapter``) that vLLM applies per
+    request; ``number`` is its id in the engine, one per adapter."""
+
+    path: str
+    number: int
 
 
 class VLLMEngine:
@@ -140,8 +152,10 @@ class VLLMEngine:
         del self.llm
         cleanup_dist_env_and_memory()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any]) -> list[Any]:
-        """vLLM's ``RequestOutput`` of each prompt (token ids) under its ``SamplingParams``, in order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], adapter: Adapter | None = None
+                 ) -> list[Any]:
+        """vLLM's ``RequestOutput`` of each prompt (token ids) under its ``SamplingParams``, in order; with
+        ``adapter``, by the base model with that LoRA adapter (an engine built with ``enable_lora``)."""
         from vllm.inputs import TokensPrompt
 
         limit = self.llm.model_config.max_model_len
@@ -151,4 +165,9 @@ class VLLMEngine:
                             f"in the engine's {limit} tokens (rollout.vllm.max_model_len, by default the model's "
                             "max_position_embeddings); raise it, or lower task.max_prompt_tokens")
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        return self.llm.generate(requests, list(params), use_tqdm=False)
+        lora = None
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(adapter.path, adapter.number, adapter.path)
+        return self.llm.generate(requests, list(params), use_tqdm=False, lora_request=lora)

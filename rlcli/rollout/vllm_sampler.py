@@ -16,7 +16,7 @@ import torch
 
 from rlcli.model.lora import served_weights
 from rlcli.rollout.sampler import Completion, SamplingOptions, StopStrings, check_request
-from rlcli.rollout.vllm_engine import VLLMEngine
+from rlcli.rollout.vllm_engine import Adapter, VLLMEngine
 
 __all__ = ["VLLMSampler"]
 
@@ -26,14 +26,17 @@ SEED_BOUND = 1 << 62  # per-request seeds are drawn below this
 class VLLMSampler(SamplingOptions):
     """Samples with ``engine``. With ``policy`` (the colocated trainer's bare module) every `sample`
     first loads the policy's current parameters into the engine, so it never samples stale weights;
-    without, the caller loads each new version (`VLLMEngine.load_weights`). Log-probs are vLLM's
+    without, the caller loads each new version (`VLLMEngine.load_weights`), or names a published LoRA
+    ``adapter`` that the engine applies to its base model. Log-probs are vLLM's
     processed ones: at ``temperature``, over the distribution after ``top_p``/``top_k`` truncation
     (the `rlcli.rollout.sampler.Sampler` contract). ``options`` are `SamplingOptions`'."""
 
-    def __init__(self, engine: VLLMEngine, *, policy: torch.nn.Module | None = None, **options: Any) -> None:
+    def __init__(self, engine: VLLMEngine, *, policy: torch.nn.Module | None = None, adapter: Adapter | None = None,
+                 **options: Any) -> None:
         super().__init__(**options)
         self.engine = engine
         self.policy = policy
+        self.adapter = adapter
         self.sync_seconds: float | None = None  # of the last sample's load of the policy's weights
 
     @property
@@ -63,7 +66,7 @@ class VLLMSampler(SamplingOptions):
             for seed in seeds
         ]
         completions = []
-        for output in self.engine.generate(prompts, params):
+        for output in self.engine.generate(prompts, params, self.adapter):
             drawn = output.outputs[0]
             ids = list(drawn.token_ids)
             logprobs = [position[token].logprob for position, token in zip(drawn.logprobs, ids)]

@@ -12,9 +12,10 @@ from rlcli.storage import REFUSED_BY_STORAGE, storage_error
 from rlcli.training import distributed
 
 
-def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
+def export_policy(module, trainer, export_dir: Path, model_cfg, *, adapter_only: bool = False) -> None:
     """Write the trained policy in Hugging Face format (safetensors), gathered from every shard; with LoRA
-    adapters, the merged model, and the adapters alone in peft's format in ``adapter/``.
+    adapters, the merged model, and the adapters alone in peft's format in ``adapter/`` (``adapter_only``: the
+    adapters alone, in ``export_dir`` itself).
 
     Called on every rank. Policy weights that hold a NaN or an infinity are never written: every
     rank raises `UserError` instead. A storage that refuses the files (a full disk) is a `StorageError`.
@@ -33,6 +34,9 @@ def export_policy(module, trainer, export_dir: Path, model_cfg) -> None:
         transformers_logging.disable_progress_bar()
         state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
         try:
+            if adapter_only:
+                save_adapter(module.policy, state, export_dir)
+                return
             module.policy.save_pretrained(export_dir, state_dict=merged_weights(module.policy, state))
             if has_adapters(module.policy):
                 save_adapter(module.policy, state, export_dir / "adapter")

@@ -51,11 +51,36 @@ def fsdp(cfg, world_size: int) -> tuple[Any, Sharding]:
     ), fsdp_wrap
 
 
-@STRATEGIES.register("fsdp2")
-def fsdp2(cfg, world_size: int) -> tuple[Any, Sharding]:
+def _model_parallel_strategy(**kwargs):
+    """Lightning's ModelParallelStrategy, which also resumes from a checkpoint of LoRA adapters.
+
+    Such a checkpoint holds the adapters, not the base weights (`PolicyModule.on_save_checkpoint`). The
+    strategy loads a checkpoint into the sharded model before ``on_load_checkpoint`` can complete it with the
+    base weights, so here it loads it non-strictly: the adapters from the file, the base weights staying as
+    built from the model (which ``on_load_checkpoint`` then checks by hash)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    strategy = ModelParallelStrategy(
+    from rlcli.model.lora import has_adapters
+
+    class AdapterResumingStrategy(ModelParallelStrategy):
+        def load_checkpoint(self, checkpoint_path, weights_only=None):
+            module = self.lightning_module
+            if not has_adapters(module.policy):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            strict, module.strict_loading = module.strict_loading, False
+            try:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            finally:
+                module.strict_loading = strict
+            checkpoint["state_dict"] = {}  # loaded already: this strategy loads nothing after on_load_checkpoint
+            return checkpoint
+
+    return AdapterResumingStrategy(**kwargs)
+
+
+@STRATEGIES.register("fsdp2")
+def fsdp2(cfg, world_size: int) -> tuple[Any, Sharding]:
+    strategy = _model_parallel_strategy(
         data_parallel_size=world_size, tensor_parallel_size=1,
         save_distributed_checkpoint=False, process_group_backend=cfg.process_group_backend,
     )

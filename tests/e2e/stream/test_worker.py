@@ -246,6 +246,52 @@ def test_a_vllm_sampler_loads_each_announced_version_into_one_engine(redis_url, 
                                    rtol=0, atol=1e-5)
 
 
+def save_adapter_version(base: Path, directory: Path, seed: int) -> tuple[Path, Path]:
+    """LoRA adapters (rank 4, random B, so they change the model) on the saved policy ``base``, in peft's format
+    as ``publish.lora=adapter`` publishes them, and, as the reference, peft's own merge of them into the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    model.peft_config["default"].base_model_name_or_path = str(base)
+    model.save_pretrained(directory)
+    model.merge_and_unload().save_pretrained(directory.with_name(directory.name + "-merged"))
+    return directory, directory.with_name(directory.name + "-merged")
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_published_adapters_are_sampled_on_the_base_model(redis_url, tmp_path, engine):
+    """publish.lora=adapter: each announced version is an adapter directory; the sampler applies it to the base
+    model its config names (vLLM: one engine with LoRA, the base loaded once). Every record's log-probs are those
+    of peft's merge of that version into the base. Fails if an adapter is ignored (the base's log-probs) or a
+    later version keeps the first one's."""
+    if engine == "vllm":
+        require_vllm()
+    conn = connect(redis_url)
+    base = save_policy(tmp_path / "base", seed=0, num_heads=1)  # heads of 32 dimensions, as vLLM's CPU kernels need
+    versions = [save_adapter_version(base, tmp_path / f"v{v}", seed=v) for v in (0, 1)]
+    announce(conn, 0, versions[0][0])
+    worker = make_worker(redis_url, engine=engine)
+    try:
+        worker.run(max_rounds=1)
+        announce(conn, 1, versions[1][0], documents_seen=PROMPTS * GROUP_SIZE)
+        worker.run(max_rounds=1)
+    finally:
+        worker.close()
+    records = stream_records(conn)
+    assert [r["policy_version"] for r in records] == [0] * (PROMPTS * GROUP_SIZE) + [1] * (PROMPTS * GROUP_SIZE)
+    for record in records:
+        merged = versions[record["policy_version"]][1]
+        torch.testing.assert_close(torch.tensor(record["old_logprobs"]), model_logprobs(merged, record),
+                                   rtol=0, atol=1e-5)
+
+
 def test_a_restarted_sampler_repeats_no_id_group_or_sample(redis_url, tmp_path):
     conn = connect(redis_url)
     announce(conn, 0, save_policy(tmp_path / "v0", seed=0))
