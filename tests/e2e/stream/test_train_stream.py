@@ -234,3 +234,31 @@ def test_with_lora_the_published_weights_are_the_merged_policy(redis_url, tmp_pa
             tmp_path / "weights" / "v2", dtype=torch.float64)(input_ids=ids).logits)  # a version per update
         torch.testing.assert_close(sampler(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
     assert (tmp_path / "weights" / "v3" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_with_publish_lora_adapter_only_the_adapters_are_published(redis_url, tmp_path):
+    """publish.lora=adapter on a checkpoint: each version holds the adapters alone (peft's files, no model), and
+    the HF engine's sampler of a version (the base from model.path with them) computes what the trained policy
+    computes. Fails if the whole model is published, or the adapters name another base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from factories import make_tiny_qwen2
+    from rlcli.rollout.samplers import ENGINES
+
+    model = make_tiny_qwen2(tmp_path / "model")
+    with StreamWriter(redis_url) as writer:
+        writer.push_many([record(i) for i in range(3)])
+    module = train(compose_train_config(overrides(redis_url, "model=hf", f"model.path={model}", "model.lora.rank=4",
+                                                  "optimizer.lr=0.05", "publish.lora=adapter")), tmp_path / "run")
+
+    version = tmp_path / "run" / "weights" / "v3"
+    assert sorted(p.name for p in version.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    sampler = ENGINES["hf"](None, False).of_checkpoint(version, {"temperature": 1.0}).model.to(torch.float64)
+    policy = module.policy.to(torch.float64).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        assert (expected - base(input_ids=ids).logits).abs().max() > 1e-3  # the adapters moved
+        torch.testing.assert_close(sampler(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
