@@ -76,7 +76,8 @@ class KLConfig:
         "multiply the KL term by the differentiable ratio r_t = exp(lp - old_lp): with k3 its expected gradient is "
         "the reverse KL's (TRL's use_bias_correction_kl)")
     reference: str = described(
-        "initial (a frozen copy of the starting weights), rollouts (the records' ref_logprobs) or a model path")
+        "initial (a frozen copy of the starting weights; with model.lora, the policy with its adapters off), "
+        "rollouts (the records' ref_logprobs) or a model path")
     placement: Literal["loss", "reward"] = described(
         "loss (beta x k_t in each token's loss) or reward (r - beta x the sum of k1 = old_lp - ref_lp over the "
         "document's labelled tokens, before the advantages; the loss has no KL term)")
