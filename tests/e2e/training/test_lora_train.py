@@ -22,6 +22,8 @@ from rlcli.commands.train import train
 from rlcli.errors import UserError
 from train_helpers import compose_train_config
 
+pytestmark = pytest.mark.slow  # each test needs a training run of a few seconds (shared by the module)
+
 LORA = ["model.lora.rank=8", "kl.coef=0.05"]
 TINY = [*LORA, "trainer.max_steps=4", "trainer.checkpoint_every=2"]
 
