@@ -236,11 +236,8 @@ class PolicyModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["rlcli"]
-        if self.base_fingerprint is not None:
+        if self.base_fingerprint is not None:  # a change of model.lora itself is refused before (resume_point)
             self._load_adapters_only(checkpoint)
-        elif "base_model" in state:
-            raise UserError("resume: the checkpoint holds LoRA adapters, and this run trains the whole model; "
-                            "resume with the checkpoint's model.lora settings")
         if len(state["ranks"]) != self.trainer.world_size:
             raise UserError(
                 f"resume: the checkpoint was written by {len(state['ranks'])} processes, this run has "
@@ -261,11 +258,7 @@ class PolicyModule(L.LightningModule):
     def _load_adapters_only(self, checkpoint: dict) -> None:
         """A checkpoint of adapters: refused unless it belongs to this run's base model, then completed with
         the base weights as loaded, for Lightning's strict loading."""
-        written = checkpoint["rlcli"].get("base_model")
-        if written is None:
-            raise UserError("resume: the checkpoint holds a whole model, and this run trains LoRA adapters "
-                            "(model.lora.rank > 0); resume with the checkpoint's model.lora.rank=0")
-        if written != self.base_fingerprint:
+        if checkpoint["rlcli"]["base_model"] != self.base_fingerprint:
             raise UserError("resume: the checkpoint's adapters were trained on other base weights than this run's "
                             "model (its weights changed since, or model.path names another model); resume with "
                             "the base model the checkpoint was trained on")
