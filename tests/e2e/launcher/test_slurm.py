@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -36,11 +37,15 @@ def cluster():
         pytest.skip("no Slurm cluster here: `make slurm-cluster` starts one (root, Debian)")
 
 
+def cancel_my_jobs() -> None:
+    subprocess.run(["scancel", "--user", getpass.getuser()], capture_output=True)
+
+
 @pytest.fixture(autouse=True)
 def no_jobs_left():
     """A test that fails leaves no job behind to hold the node's CPUs."""
     yield
-    subprocess.run(["scancel", "--user", getpass.getuser()], capture_output=True)
+    cancel_my_jobs()
 
 
 class Sweep:
@@ -111,17 +116,18 @@ def test_a_cpu_sweep_with_the_defaults_runs_and_its_jobs_ask_for_no_gpu(tmp_path
     assert re.search(r"member #1 \(Slurm job \d+_1\): COMPLETED", output)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(tmp_path, processes):
+def time_limit_then_requeue(root: Path, processes: int) -> None:
     """The time-limit signal (SIGUSR2, as Slurm sends it to every task) in the pause after step 2, and
-    `scontrol requeue` (SIGTERM) in the pause after step 5 of the requeued job: each stops the run after
-    the next step with a checkpoint, and the job comes back and continues from it. (Slurm holds a requeued
-    job back for about AuthInfo=cred_expire seconds, 10 on the test cluster, so that the end of its old
-    attempt cannot be taken for the end of the new one: the test does not cut that short.)"""
-    limit, requeue = tmp_path / "limit.go", tmp_path / "requeue.go"
+    `scontrol requeue` (SIGTERM) in the pause after step 5 of the requeued job, on a sweep of ``processes``
+    processes in ``root``: each stops the run after the next step with a checkpoint, and the job comes back
+    and continues from it. (Slurm holds a requeued job back for about AuthInfo=cred_expire seconds, 10 on the
+    test cluster, so that the end of its old attempt cannot be taken for the end of the new one: the test
+    does not cut that short.)"""
+    root.mkdir()
+    limit, requeue = root / "limit.go", root / "requeue.go"
     waits = callbacks_override("WaitForFile", steps=[2, 5], paths=[str(limit), str(requeue)])
-    sweep = Sweep(tmp_path, ["trainer.max_steps=8", *SHORT, *waits,
-                             *(TWO_PROCESSES + ["hydra.launcher.cpus_per_task=1"] if processes == 2 else [])])
+    sweep = Sweep(root, ["trainer.max_steps=8", *SHORT, *waits,
+                         *(TWO_PROCESSES + ["hydra.launcher.cpus_per_task=1"] if processes == 2 else [])])
     job = sweep.job()
     sweep.wait_until(has_steps(sweep, 2))
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
@@ -132,14 +138,30 @@ def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(
     time.sleep(1)
     requeue.touch()
     output = sweep.finish()
-    assert sweep.process.returncode == 0, output[-3000:]
+    assert sweep.process.returncode == 0, (processes, output[-3000:])
     [member] = sweep.members()
-    assert steps(member) == list(range(1, 9))  # every step once, none lost, none repeated
-    log = "".join(p.read_text() for p in sorted(tmp_path.glob("multirun/*/*/.submitit/*/*_0_log.*")))
-    assert "stopped by a signal after step 3; checkpoint saved" in log
-    assert "stopped by a signal after step 6; checkpoint saved" in log
-    assert re.search(r"resuming from \S+step-3\.ckpt", log) and re.search(r"resuming from \S+step-6\.ckpt", log)
-    assert "Traceback" not in log
+    assert steps(member) == list(range(1, 9)), processes  # every step once, none lost, none repeated
+    log = "".join(p.read_text() for p in sorted(root.glob("multirun/*/*/.submitit/*/*_0_log.*")))
+    assert "stopped by a signal after step 3; checkpoint saved" in log, processes
+    assert "stopped by a signal after step 6; checkpoint saved" in log, processes
+    assert re.search(r"resuming from \S+step-3\.ckpt", log) and re.search(r"resuming from \S+step-6\.ckpt", log), \
+        processes
+    assert "Traceback" not in log, processes
+
+
+def test_a_time_limit_and_a_requeue_lose_nothing_and_every_step_is_trained_once(tmp_path):
+    """`time_limit_then_requeue` on 1 and on 2 processes, the two sweeps at once: the node's 2 CPUs never run
+    both jobs together, so Slurm runs one while the other is held back after its signal (twice 10 s each),
+    which the two sweeps one after the other spent idle."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        scenarios = [pool.submit(time_limit_then_requeue, tmp_path / f"{n}-process", n) for n in (1, 2)]
+        done, _ = wait(scenarios, return_when=FIRST_EXCEPTION)
+        failed = [s for s in done if s.exception()]
+        if failed:
+            cancel_my_jobs()  # the other sweep's driver then fails at once instead of at its timeouts
+            failed[0].result()  # the first failure is the one reported
+        for scenario in scenarios:
+            scenario.result()
 
 
 def test_too_many_time_limits_end_the_sweep_with_one_message(tmp_path):
