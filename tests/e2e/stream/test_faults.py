@@ -72,7 +72,7 @@ def kill_and_resume(tmp_path: Path, url: str, seed: int, kills: int, extra: list
     the stream; the ids of the valid records pushed, and of the invalid ones among them."""
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    first = records("first", 120)
+    first = records("first", 60)  # a kill (5 checkpoints of 4 records, 8 on 2 processes, at most) leaves some
     invalid = spoil(first)
     pushed = push(url, first)
     for kill in range(kills):
