@@ -66,6 +66,13 @@ def _lora_targets(cfg: TrainConfig, command: str) -> Iterator[str]:
                f"got {targets!r}")
 
 
+@rule("model", "strategy", commands=TRAINING)
+def _lora_strategy(cfg: TrainConfig, command: str) -> Iterator[str]:
+    if cfg.model.lora is not None and cfg.model.lora.rank > 0 and cfg.strategy.name == "fsdp":
+        yield ("strategy=fsdp: not with LoRA adapters (model.lora.rank > 0), whose checkpoints FSDP1 cannot resume "
+               "from; use strategy=fsdp2 (the frozen base sharded, the adapters trained) or ddp")
+
+
 @rule("model", "publish", commands=TRAINING)
 def _adapter_publishing(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.publish is None or cfg.publish.lora != "adapter":

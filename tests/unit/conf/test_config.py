@@ -251,6 +251,30 @@ def test_the_terms_of_the_loss_family_are_checked_with_the_rest(overrides, expec
     assert any(p.startswith(expected) for p in problems), problems
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.lora.rank=4", "model.lora.target_modules=[]"], "model.lora.target_modules: all-linear or a non-empty"),
+        (["model.lora.rank=4", "model.lora.target_modules=3"], "model.lora.target_modules: all-linear or a non-empty"),
+        (["model.lora.init=pissa"], "model.lora.init: must be one of ['default', 'gaussian']"),
+        (["model.lora.dropout=1"], "model.lora.dropout: must be < 1"),
+        (["data=rollouts", "model.lora.rank=4", "strategy=fsdp"], "strategy=fsdp: not with LoRA adapters"),
+        (["data=stream", "data.url=redis://127.0.0.1:1/0", "publish.lora=adapter"],
+         "publish.lora=adapter: publishes LoRA adapters, and model.lora.rank is 0"),
+        (["data=stream", "data.url=redis://127.0.0.1:1/0", "publish.lora=adapter", "model.lora.rank=4"],
+         "publish.lora=adapter: the samplers apply the adapters to the base model"),
+    ],
+)
+def test_lora_settings_are_checked(overrides, expected):
+    problems = problems_of(overrides)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_fsdp2_with_lora_takes_the_base_as_its_kl_reference():
+    cfg = validate_config(compose_train_config(["data=rollouts", "strategy=fsdp2", "kl.coef=0.1", "model.lora.rank=4"]))
+    assert (cfg.strategy.name, cfg.kl.reference, cfg.model.lora.rank) == ("fsdp2", "initial", 4)
+
+
 def test_a_mismatch_correction_makes_the_ratio_use_the_trainer_log_probs():
     assert validate_config(compose_train_config()).loss.old_logprobs == "sampler"
     assert validate_config(compose_train_config(["correction.mode=truncate"])).loss.old_logprobs == "recompute"
