@@ -26,6 +26,8 @@ its own options: ``python -m benchmarks.NAME --help``.
   of the throughput benchmark's packed and padded loops (exact counts).
 * ``compile``: ``model.compile=true`` against eager on the throughput benchmark's packed loop: the first
   pass (a cold compile) and the steady pass time, and the graphs compiled.
+* ``lora``: peak memory and step time of full fine-tuning against LoRA ranks 8 and 64 (the 58M model and a
+  134M one), and the publish time and bytes of the merged weights against the adapters alone.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from benchmarks import (
     dynamic_sampling,
     live_loop,
     lm_head,
+    lora,
     loss_terms,
     reward_pool,
     stream_queue,
@@ -107,10 +110,14 @@ def _compile(device: str, json_path: Path | None):
     return compile_benchmark.main(["--device", device] + (["--json", str(json_path)] if json_path else []))
 
 
+def _lora(device: str, json_path: Path | None):
+    return lora.main(["--device", device] + (["--json", str(json_path)] if json_path else []))
+
+
 BENCHMARKS = {"lm_head": _lm_head, "throughput": _throughput, "docs_per_step": _docs_per_step,
               "loss_terms": _loss_terms, "dynamic_sampling": _dynamic_sampling, "stream_queue": _stream_queue,
               "live_loop": _live_loop, "vllm_sampling": _vllm_sampling, "reward_pool": _reward_pool,
-              "dispatch": _dispatch, "compile": _compile}
+              "dispatch": _dispatch, "compile": _compile, "lora": _lora}
 
 
 def main(argv: list[str] | None = None) -> dict:
