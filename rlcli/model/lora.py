@@ -37,10 +37,14 @@ def add_adapters(model: torch.nn.Module, cfg, base_path: str | None = None) -> t
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                         init_lora_weights=_INITS[cfg.init], base_model_name_or_path=base_path)
+    head = model.get_output_embeddings()
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:
         raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} cannot take adapters: {err}") from None
+    if model.get_output_embeddings() is not head:
+        raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts an adapter on the LM head, which "
+                        "rlcli computes from its weight alone (the fused head); leave it out")
     return model
 
 

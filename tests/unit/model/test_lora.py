@@ -179,6 +179,13 @@ def test_target_modules_that_match_nothing_are_a_user_error():
         add_adapters(_llama(), _lora(["no_such_proj"]))
 
 
+def test_an_adapter_on_the_lm_head_is_a_user_error():
+    """rlcli's fused head reads the head's weight, not its forward: an adapter there would train nothing and
+    reach the samplers merged. Fails if the head is let through."""
+    with pytest.raises(UserError, match=r"model\.lora\.target_modules.*LM head"):
+        add_adapters(_llama(), _lora(["q_proj", "lm_head"]))
+
+
 def test_saved_adapter_loads_into_peft_as_the_same_model(tmp_path):
     """``save_adapter``'s directory, loaded by `peft.PeftModel.from_pretrained` on a copy of the base model, gives
     the adapted model's logits bit for bit (the same computation); the merged weights loaded (strict) into a
