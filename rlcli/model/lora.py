@@ -31,25 +31,52 @@ _INITS = {"default": True, "gaussian": "gaussian"}  # model.lora.init -> peft's 
 
 def add_adapters(model: torch.nn.Module, cfg, base_path: str | None = None) -> torch.nn.Module:
     """``model`` with LoRA adapters of ``cfg`` (``model.lora``, rank > 0) in its linear layers, the rest of it
-    frozen; a `UserError` naming ``model.lora.target_modules`` when it matches no layer."""
+    frozen; a `UserError` naming ``model.lora.target_modules`` when it matches no layer or a layer whose
+    adapters rlcli cannot merge or compute with (an embedding, a transposed Conv1D, a tied or dropped-out LM
+    head)."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners import lora as peft_lora
 
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                         init_lora_weights=_INITS[cfg.init], base_model_name_or_path=base_path)
-    head = model.get_output_embeddings()
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:
         raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} cannot take adapters: {err}") from None
-    if model.get_output_embeddings() is not head:
-        raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts an adapter on the LM head, which "
-                        "rlcli computes from its weight alone (the fused head); leave it out")
+    unmergeable = [name for name, layer in model.named_modules() if isinstance(layer, peft_lora.LoraLayer) and (
+        not isinstance(layer, peft_lora.Linear) or layer.fan_in_fan_out)]
+    if unmergeable:
+        raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts adapters on {', '.join(unmergeable)}: "
+                        "rlcli merges adapters of linear layers (torch.nn.Linear) only, not of embeddings or "
+                        "transposed (Conv1D) layers; name linear layers")
+    if _has_adapter(model.get_output_embeddings()):
+        if model.config.tie_word_embeddings:
+            raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts an adapter on the LM head, "
+                            "which this model ties to its embeddings; leave it out")
+        if cfg.dropout:
+            raise UserError("model.lora.dropout: the LM head's adapter changes the head's weight (rlcli computes "
+                            "the head from it), where no dropout applies; set it to 0 or leave lm_head out of "
+                            "model.lora.target_modules")
     return model
 
 
 def has_adapters(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
+
+
+def _has_adapter(layer: torch.nn.Module) -> bool:
+    return bool(getattr(layer, "lora_A", None))
+
+
+def head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """``[V, H]``: the weight the LM head computes with: its own, plus ``(alpha / rank) · B A`` while a LoRA
+    adapter on it is on (differentiable: the fused head's gradient of the weight reaches A and B)."""
+    head = model.get_output_embeddings()
+    weight = head.weight  # [V, H]; an adapted layer's is its base layer's
+    if _has_adapter(head) and not head.disable_adapters:
+        weight = weight + head.get_delta_weight(ADAPTER)  # [V, H]
+    return weight
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcli.model import varlen_attention
+from rlcli.model.lora import head_weight
 from rlcli.modules.lm_head import HeadSpec, token_logprobs
 
 
@@ -64,7 +65,7 @@ class TokenScorer(torch.nn.Module):
             if attn_implementation == varlen_attention.NAME:  # the row's document offsets, found once for all layers
                 kwargs |= varlen_attention.packed_row_kwargs(position_ids[None])
         hidden = self.policy.base_model(input_ids=input_ids[None], use_cache=False, **kwargs).last_hidden_state[0]
-        weight = self.policy.get_output_embeddings().weight  # [V, H]
+        weight = head_weight(self.policy)  # [V, H]
         if head_loss is not None:
             return head_loss(hidden, weight)
         return token_logprobs(hidden, weight, labels, self.head, with_entropy=self.with_entropy)

@@ -27,6 +27,7 @@ from rlcli.model.lora import (
     adapters_off,
     add_adapters,
     base_fingerprint,
+    head_weight,
     merged_weights,
     parameter_counts,
     save_adapter,
@@ -179,11 +180,52 @@ def test_target_modules_that_match_nothing_are_a_user_error():
         add_adapters(_llama(), _lora(["no_such_proj"]))
 
 
-def test_an_adapter_on_the_lm_head_is_a_user_error():
-    """rlcli's fused head reads the head's weight, not its forward: an adapter there would train nothing and
-    reach the samplers merged. Fails if the head is let through."""
-    with pytest.raises(UserError, match=r"model\.lora\.target_modules.*LM head"):
-        add_adapters(_llama(), _lora(["q_proj", "lm_head"]))
+def test_an_adapter_on_the_lm_head_changes_the_weight_the_fused_head_reads():
+    """rlcli's fused head reads the head's weight, not its forward: `head_weight` is W + (alpha / rank) B A while
+    the adapter is on (W alone while it is off), and its gradient reaches A and B as peft's own forward of the
+    head sends it. Fails if the adapter is left out of the weight (the head's adapters would never train) or
+    stays in it with the adapters off."""
+    model = _adapted(_llama(), ["q_proj", "lm_head"])
+    head = model.lm_head
+    a, b = head.lora_A["default"].weight, head.lora_B["default"].weight  # [r, H], [V, r]
+    expected = head.base_layer.weight + (ALPHA / RANK) * (b @ a)  # [V, H]
+    torch.testing.assert_close(head_weight(model), expected, rtol=0, atol=1e-7)
+    with adapters_off(model):
+        assert torch.equal(head_weight(model), head.base_layer.weight)
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))  # [N, H]
+    (hidden @ head_weight(model).T).square().sum().backward()
+    ours = [a.grad.clone(), b.grad.clone()]
+    a.grad = b.grad = None
+    head(hidden).square().sum().backward()  # peft's forward: W x + scale · B A x
+    torch.testing.assert_close(ours, [a.grad, b.grad], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("targets", "change", "message"), [
+    (["q_proj", "embed_tokens"], None, r"adapters on model\.embed_tokens: rlcli merges adapters of linear layers"),
+    (["q_proj", "lm_head"], "tie", r"puts an adapter on the LM head, which this model ties to its embeddings"),
+    (["q_proj", "lm_head"], "dropout", r"model\.lora\.dropout: the LM head's adapter"),
+])
+def test_adapters_rlcli_cannot_compute_with_are_a_user_error(targets, change, message):
+    """Embeddings (peft's lora.Embedding, which the merge does not know), a head tied to the embeddings, and
+    dropout on the head's adapter (applied to the weight, where no dropout applies) are refused up front. Fails
+    if any is let through."""
+    model, lora = _llama(), _lora(targets)
+    if change == "tie":
+        model.config.tie_word_embeddings = True
+    if change == "dropout":
+        lora.dropout = 0.1
+    with pytest.raises(UserError, match=message):
+        add_adapters(model, lora)
+
+
+def test_adapters_on_transposed_conv1d_layers_are_a_user_error():
+    """GPT-2's Conv1D layers store their weight transposed (peft's fan_in_fan_out): refused rather than merged
+    wrongly. Fails if all-linear adapters on a GPT-2 are let through."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(UserError, match=r"transposed \(Conv1D\) layers"):
+        add_adapters(gpt2, _lora())
 
 
 def test_saved_adapter_loads_into_peft_as_the_same_model(tmp_path):
