@@ -191,6 +191,19 @@ def a_cancelled_member_and_a_member_with_a_bad_config_are_reported_apart(root: P
     assert "Traceback" not in output
 
 
+def a_sweep_no_job_of_which_can_start_is_cancelled_after_max_pending_min(root: Path) -> None:
+    """More CPUs per task than the node has: Slurm takes the job and leaves it pending for ever."""
+    with Sweep(root, ["trainer.max_steps=2", "hydra.launcher.max_pending_min=0.1",
+                      "hydra.launcher.cpus_per_task=64"]) as sweep:
+        job = sweep.job()
+        output = sweep.finish()
+    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
+    assert re.search(rf"member #0 \(Slurm job {job}\): PENDING \(PartitionConfig\)", output)
+    assert "no job of the sweep ran for hydra.launcher.max_pending_min=0.1 min, so they are cancelled" in output
+    queue = subprocess.run(["squeue", "--noheader", "--format=%i"], capture_output=True, text=True).stdout.split()
+    assert job not in queue, queue
+
+
 SCENARIOS = {  # by test id
     "a_cpu_sweep_with_the_defaults_runs_and_its_jobs_ask_for_no_gpu": a_cpu_sweep_with_the_defaults,
     "a_time_limit_and_a_requeue_lose_nothing_on_1_process": partial(a_time_limit_and_a_requeue, processes=1),
@@ -198,6 +211,8 @@ SCENARIOS = {  # by test id
     "too_many_time_limits_end_the_sweep_with_one_message": too_many_time_limits_end_the_sweep_with_one_message,
     "a_cancelled_member_and_a_member_with_a_bad_config_are_reported_apart":
         a_cancelled_member_and_a_member_with_a_bad_config_are_reported_apart,
+    "a_sweep_no_job_of_which_can_start_is_cancelled_after_max_pending_min":
+        a_sweep_no_job_of_which_can_start_is_cancelled_after_max_pending_min,
 }
 
 
@@ -224,14 +239,3 @@ def test_a_gpu_request_on_a_cpu_partition_is_refused_with_a_hint(tmp_path):
     assert "rlcli train: error: Slurm refused the sweep's jobs" in output
     assert "a CPU run asks for none with trainer.accelerator=cpu" in output
     assert "Traceback" not in output
-
-
-def test_a_sweep_no_job_of_which_can_start_is_cancelled_after_max_pending_min(tmp_path):
-    """More CPUs per task than the node has: Slurm takes the job and leaves it pending for ever."""
-    sweep = Sweep(tmp_path, ["trainer.max_steps=2", "hydra.launcher.max_pending_min=0.1",
-                             "hydra.launcher.cpus_per_task=64"])
-    output = sweep.finish()
-    assert sweep.process.returncode == CLUSTER_FAILURE, output[-3000:]
-    assert re.search(r"member #0 \(Slurm job \d+\): PENDING \(PartitionConfig\)", output)
-    assert "no job of the sweep ran for hydra.launcher.max_pending_min=0.1 min, so they are cancelled" in output
-    assert not subprocess.run(["squeue", "--noheader"], capture_output=True, text=True).stdout.strip()
