@@ -141,6 +141,22 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def start_peak_memory(device: torch.device) -> tuple[int, bool]:
+    """Start a peak-memory window: ``(the bytes held now, whether the peak will be only a lower bound)``;
+    CUDA's allocator on a GPU, this process's resident set elsewhere (`peak_memory` ends it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return base, False
+    return _rss_bytes(), not _reset_peak_rss()
+
+
+def peak_memory(device: torch.device) -> int:
+    """The most bytes held since `start_peak_memory`."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
+
+
 def _naive_logprobs(hidden, weight, labels, temperature, with_entropy=False):
     """Full logits, log_softmax, gather (and entropy): what the chunked head avoids. Plain autograd
     keeps the ``[N, V]`` logits and log-probabilities alive until the backward."""
@@ -242,17 +258,10 @@ def _worker(cfg: dict) -> list[dict]:
         # the gradients of hidden and weight are outputs every implementation must produce (and the
         # optimizer keeps): "peak extra" is what the step needs beyond the inputs and these gradients
         grads_bytes = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            lower_bound = False
-        else:
-            base = _rss_bytes()
-            lower_bound = not _reset_peak_rss()
+        base, lower_bound = start_peak_memory(device)
         for _ in range(cfg["warmup"] + 1):
             loss = step(chunk)
-        raw_extra = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()) - base
+        raw_extra = peak_memory(device) - base
         return [describe(chunk) | dict(
             peak_extra_mib=max(raw_extra - grads_bytes, 0) / 2**20, raw_peak_extra_mib=raw_extra / 2**20,
             grads_mib=grads_bytes / 2**20, peak_is_lower_bound=lower_bound, loss=loss,

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lm_head import _peak_rss_bytes, _reset_peak_rss, _rss_bytes
+from benchmarks import lm_head
 from benchmarks.machine import device_name
 from benchmarks.output import report
 from benchmarks.throughput import _attention, _rollouts
@@ -230,26 +230,18 @@ def peak_memory(settings: dict, rank: int) -> dict:
     """The peak memory of building configuration ``rank`` and running two steps, beyond what the process
     held before (in this process: `peak_memory_in_subprocess` gives it a fresh one)."""
     device = torch.device(settings["device"])
-    cuda = device.type == "cuda"
     # import the modules and load the kernels on a small model of the same kind first, so that their one-off
     # memory is not counted as the configuration's
     small = build(settings | dict(model=settings["model"] | SMALL), rank)
     small.step()
     del small
     gc.collect()
-    if cuda:
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        lower_bound = False
-    else:
-        base = _rss_bytes()
-        lower_bound = not _reset_peak_rss()
+    base, lower_bound = lm_head.start_peak_memory(device)
     c = build(settings, rank)
     for _ in range(2):
         c.step()
     _sync(device)()
-    peak = (torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()) - base
+    peak = lm_head.peak_memory(device) - base
     return dict(peak_mib=peak / 2**20, peak_is_lower_bound=lower_bound)
 
 
