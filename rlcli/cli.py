@@ -147,7 +147,7 @@ def _report(args: list[str]) -> int:
 
     from rich.console import Console
 
-    from rlcli.report import report_command
+    from rlcli.report.command import report_command
 
     return report_command(options.path, options.out, console=Console())
 

@@ -14,6 +14,7 @@ string is kept, so the string stays in the completion, which is marked ``stopped
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -159,8 +160,21 @@ class StopStrings:
         return rows
 
 
+def _eager(fn):
+    """``fn`` run under torch.compile's ``force_eager`` stance (``model.compile`` is for training: generation's
+    shapes would recompile). The stance is set at each call, not at import: torch._dynamo takes about a second
+    to import, which every config check would pay."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.compiler.set_stance("force_eager"):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @torch.no_grad()
-@torch.compiler.set_stance("force_eager")  # model.compile is for training: generation's shapes would recompile
+@_eager
 def sample_completions(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],

@@ -21,7 +21,7 @@ from rlcli.commands.train import train
 from rlcli.conf import build_target
 from rlcli.conf.validate import ConfigError, validate_config
 from rlcli.model.policy import build_policy
-from rlcli.report import write_report
+from rlcli.report.command import write_report
 from rlcli.rollout.evaluate import METRICS, eval_prompts, evaluate
 from rlcli.rollout.samplers import build_sampler
 from train_helpers import compose_train_config, run_rlcli

@@ -11,7 +11,7 @@ from report_members import on_policy, write_member
 from rich.console import Console
 from scipy import stats as scipy_stats
 
-from rlcli.report import write_report
+from rlcli.report.command import write_report
 from rlcli.report.equal import NO_EFFECT, ON_POLICY, equal_pairs
 from rlcli.report.groups import OBJECTIVE, group_runs, primary
 from rlcli.report.runs import find_runs

@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 from report_members import on_policy, write_member
 from rich.console import Console
 
-from rlcli.report import write_report
+from rlcli.report.command import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -12,9 +12,8 @@ import pytest
 from rich.console import Console
 
 from rlcli.cli import main
-from rlcli.report import ReportError, write_report
-from rlcli.report.command import _member_labels
-from rlcli.report.runs import find_runs, read_metrics
+from rlcli.report.command import _member_labels, write_report
+from rlcli.report.runs import ReportError, find_runs, read_metrics
 from rlcli.report.summary import print_summary, summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
