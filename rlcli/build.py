@@ -22,7 +22,7 @@ from rlcli.callbacks.preemption import StopOnSignal
 from rlcli.callbacks.publish import WeightPublisher
 from rlcli.callbacks.resume import RunIdentity
 from rlcli.conf import build_target
-from rlcli.conf.schema import HFModelConfig, TrainConfig
+from rlcli.conf.schema import HFModelConfig, TrainConfig, trains_adapters
 from rlcli.errors import UserError
 from rlcli.loggers import build_loggers
 from rlcli.model.lora import add_adapters, base_fingerprint, has_adapters
@@ -153,7 +153,7 @@ def build_training(cfg: TrainConfig, resolved: DictConfig, run_dir: Path,
     evaluation = build_periodic_eval(cfg, getattr(data, "task", None))  # eval.every: on the data kind's task
     policy = build_policy(cfg.model, default_vocab_size=data.default_vocab_size)
     fingerprint = None
-    if cfg.model.lora is not None and cfg.model.lora.rank > 0:
+    if trains_adapters(cfg.model):
         add_adapters(policy, cfg.model.lora, base_path=getattr(cfg.model, "path", None))
         fingerprint = base_fingerprint(policy)
     strategy, shard = build_strategy(cfg.strategy, policy, world_size=cfg.trainer.processes)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 
 from rlcli.conf.machine import machine_problems, sampler_problems
-from rlcli.conf.schema import StreamDataConfig, TrainConfig
+from rlcli.conf.schema import StreamDataConfig, TrainConfig, trains_adapters
 from rlcli.training.distill import reward_advantage
 from rlcli.training.sources import DATA_KINDS, GROUPS_OF_DATA_KINDS
 
@@ -56,10 +56,9 @@ def rule_problems(cfg: TrainConfig, command: str, invalid: set[str]) -> list[str
 
 @rule("model")
 def _lora_targets(cfg: TrainConfig, command: str) -> Iterator[str]:
-    lora = cfg.model.lora
-    if lora is None or lora.rank == 0:
+    if not trains_adapters(cfg.model):
         return
-    targets = lora.target_modules
+    targets = cfg.model.lora.target_modules
     if not (targets == "all-linear" or (isinstance(targets, list) and targets
                                         and all(isinstance(t, str) and t for t in targets))):
         yield (f"model.lora.target_modules: all-linear or a non-empty list of module names (q_proj, v_proj, ...), "
@@ -68,7 +67,7 @@ def _lora_targets(cfg: TrainConfig, command: str) -> Iterator[str]:
 
 @rule("model", "strategy", commands=TRAINING)
 def _lora_strategy(cfg: TrainConfig, command: str) -> Iterator[str]:
-    if cfg.model.lora is not None and cfg.model.lora.rank > 0 and cfg.strategy.name == "fsdp":
+    if trains_adapters(cfg.model) and cfg.strategy.name == "fsdp":
         yield ("strategy=fsdp: not with LoRA adapters (model.lora.rank > 0), whose checkpoints FSDP1 cannot resume "
                "from; use strategy=fsdp2 (the frozen base sharded, the adapters trained) or ddp")
 
@@ -77,7 +76,7 @@ def _lora_strategy(cfg: TrainConfig, command: str) -> Iterator[str]:
 def _adapter_publishing(cfg: TrainConfig, command: str) -> Iterator[str]:
     if cfg.publish is None or cfg.publish.lora != "adapter":
         return
-    if cfg.model.lora is None or cfg.model.lora.rank == 0:
+    if not trains_adapters(cfg.model):
         yield "publish.lora=adapter: publishes LoRA adapters, and model.lora.rank is 0 (no adapters)"
     elif cfg.model.kind != "hf":
         yield ("publish.lora=adapter: the samplers apply the adapters to the base model they load from model.path; "
@@ -170,8 +169,8 @@ def loss_terms(cfg: TrainConfig, command: str) -> Iterator[str]:
         return
     if kl.reference == "rollouts" and cfg.data.kind not in ("rollouts", "stream"):
         yield "kl.reference: rollouts reads the records' ref_logprobs, so it needs data=rollouts or stream"
-    lora = cfg.model.lora is not None and cfg.model.lora.rank > 0
-    adapters_off = kl.reference == "initial" and lora and cfg.strategy.name == "fsdp2"  # the sharded policy itself
+    # fsdp2 with LoRA: the reference is the sharded policy itself, its adapters off
+    adapters_off = kl.reference == "initial" and trains_adapters(cfg.model) and cfg.strategy.name == "fsdp2"
     if kl.reference != "rollouts" and cfg.strategy.name in ("fsdp", "fsdp2") and not adapters_off:
         yield ("kl.reference: a reference model runs with strategy=auto or ddp; with fsdp/fsdp2 give "
                "the rollouts' ref_logprobs (kl.reference=rollouts), or, with fsdp2, train LoRA adapters "

@@ -173,6 +173,11 @@ class HFModelConfig:
     lora: Optional[LoraConfig] = described("LoRA adapters: only they train when lora.rank > 0 (null: none)")
 
 
+def trains_adapters(model: TinyModelConfig | HFModelConfig) -> bool:
+    """Whether ``model.lora`` puts LoRA adapters on the policy (set, with a rank above 0)."""
+    return model.lora is not None and model.lora.rank > 0
+
+
 @dataclass
 class RolloutDataConfig:
     """Rollout files written by a sampler (rollout-record.md)."""
