@@ -23,7 +23,7 @@ def tiny_policy(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, 
     cfg = TinyModelConfig(kind="tiny", vocab_size=vocab_size, hidden_size=hidden_size,
                           intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=num_heads,
                           max_position_embeddings=max_position_embeddings, dtype=dtype, gradient_checkpointing=False,
-                          attn_implementation=attn_implementation, suggested_lr=1e-3, compile=False, lora=None)
+                          attn_implementation=attn_implementation, init_std=None, suggested_lr=1e-3, compile=False, lora=None)
     torch.manual_seed(seed)
     return build_policy(cfg)
 

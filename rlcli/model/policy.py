@@ -24,6 +24,7 @@ def tiny_model_config(cfg: TinyModelConfig, default_vocab_size: int = 64):
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
         max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.init_std or cfg.hidden_size ** -0.5,
         tie_word_embeddings=False,
         attn_implementation=cfg.attn_implementation,
     )

@@ -106,6 +106,6 @@ def test_varlen_attention_is_refused_before_the_model_is_built():
     (build_policy would return a model)."""
     cfg = TinyModelConfig(kind="tiny", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
                           max_position_embeddings=64, dtype="float32", gradient_checkpointing=False,
-                          attn_implementation="varlen", suggested_lr=1e-3, compile=True, lora=None)
+                          attn_implementation="varlen", init_std=None, suggested_lr=1e-3, compile=True, lora=None)
     with pytest.raises(UserError, match=r"model\.compile: not with model\.attn_implementation=varlen"):
         build_policy(cfg)
