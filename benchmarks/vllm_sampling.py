@@ -74,15 +74,18 @@ def _check_vllm() -> None:
 
 
 def _model(spec: dict, device: torch.device) -> torch.nn.Module:
-    """A random-init float32 Llama, configured as `rlcli.model.policy.tiny_model_config` does."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-init float32 Llama: model=tiny's config (`rlcli.model.policy.tiny_model_config`) at ``spec``'s
+    sizes."""
+    from omegaconf import OmegaConf
+    from transformers import LlamaForCausalLM
 
+    from rlcli.model.policy import tiny_model_config
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
+    cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size = spec["vocab"], spec["hidden"], spec["intermediate"]
+    cfg.num_layers, cfg.num_heads = spec["layers"], spec["heads"]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-                         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                         num_key_value_heads=spec["heads"], max_position_embeddings=1024, tie_word_embeddings=False,
-                         attn_implementation="sdpa")
-    return LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
+    return LlamaForCausalLM(tiny_model_config(cfg)).to(device=device, dtype=torch.float32).eval()
 
 
 def _engine(model: torch.nn.Module):
