@@ -21,9 +21,9 @@ def tiny_policy(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, 
     from rlcli.model.policy import build_policy
 
     cfg = TinyModelConfig(kind="tiny", vocab_size=vocab_size, hidden_size=hidden_size,
-                          intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=num_heads,
+                          intermediate_size=2 * hidden_size, num_layers=num_layers, num_heads=num_heads, init_std=None,
                           max_position_embeddings=max_position_embeddings, dtype=dtype, gradient_checkpointing=False,
-                          attn_implementation=attn_implementation, init_std=None, suggested_lr=1e-3, compile=False, lora=None)
+                          attn_implementation=attn_implementation, suggested_lr=1e-3, compile=False, lora=None)
     torch.manual_seed(seed)
     return build_policy(cfg)
 
