@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import copy
 import csv
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fault_injection import FAULTS_ENV, callbacks_override
 from safetensors.torch import load_file, save_file
 
 from factories import initial_policy, make_tiny_qwen2, rollout_record, write_jsonl
@@ -41,16 +45,6 @@ def mean_reward(rows: list[dict], steps: slice) -> float:
 
 def checkpoint_state(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
-def resumed_copy(run_dir: Path, copy_dir: Path) -> Path:
-    """A copy of ``run_dir`` as kill -9 in its step-4 save leaves it: steps 3 and 4 logged, step 2's the newest
-    complete checkpoint, no export."""
-    shutil.copytree(run_dir, copy_dir)
-    for name in ("step-4.ckpt", "last.ckpt"):
-        (copy_dir / "checkpoints" / name).unlink(missing_ok=True)
-    shutil.rmtree(copy_dir / "export")
-    return copy_dir
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,21 +156,27 @@ def test_lora_raises_the_default_task_reward_as_full_fine_tuning_does(tmp_path):
     assert gains["lora"] >= 0.7 * gains["full"], gains
 
 
-def test_killed_and_resumed_from_step_2_equals_the_straight_run(lora_run, tmp_path):
-    """Exact resume with adapters: the run killed in its step-4 save and resumed from step 2 logs the same
-    metrics and exports the same weights and adapters as the straight run. Fails if the resume does not load the
+def test_killed_in_a_save_and_resumed_equals_the_straight_run(lora_run, tmp_path):
+    """Exact resume with adapters: `rlcli train` dies in its step-4 save (the process exits at once, as under kill
+    -9, leaving ``step-4.ckpt.tmp``), resumes from step 2 with ``resume=auto``, and logs the same metrics and
+    exports the same merged weights and adapters as the straight run. Fails if the resume does not load the
     checkpoint's adapters (or their optimizer state)."""
-    straight = lora_run[1]
-    resumed = resumed_copy(straight, tmp_path / "run")
-    train(compose_train_config([*TINY, "resume=auto"]), resumed)
+    straight, killed = lora_run[1], tmp_path / "killed"
+    env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1", **FAULTS_ENV)
+    died = subprocess.run([sys.executable, "-m", "rlcli", "train", *TINY, f"hydra.run.dir={killed}",
+                           *callbacks_override("KillDuringSave", step=4)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert died.returncode == 137, died.stderr[-3000:]
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["step-2.ckpt", "step-4.ckpt.tmp"]
+    train(compose_train_config([*TINY, "resume=auto"]), killed)
 
-    want, got = read_metrics(straight), read_metrics(resumed)
+    want, got = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in got] == ["1", "2", "3", "4"]
     for expected, actual in zip(want, got, strict=True):
         for name, value in expected.items():
             assert float(actual[name]) == pytest.approx(float(value), rel=1e-6, abs=1e-9), (expected["step"], name)
     for path in ("model.safetensors", "adapter/adapter_model.safetensors"):
-        expected, actual = load_file(straight / "export" / path), load_file(resumed / "export" / path)
+        expected, actual = load_file(straight / "export" / path), load_file(killed / "export" / path)
         assert set(actual) == set(expected)
         for name, value in expected.items():
             assert (actual[name] - value).abs().max() <= 1e-6, (path, name)
