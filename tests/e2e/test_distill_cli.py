@@ -42,7 +42,7 @@ def kl_of(rows: list[dict]) -> list[float]:
 def test_pure_distillation_on_the_default_task_draws_the_policy_to_the_teacher(tmp_path):
     """The reward part is 0 (distill.rewards=none): only the teacher's term moves the policy, and the reverse
     KL to the teacher falls. Fails if the term has the wrong sign or does not reach the advantages."""
-    teacher = save_teacher(tmp_path / "teacher", REVERSE_VOCAB, sharpen=20.0)
+    teacher = save_teacher(tmp_path / "teacher", REVERSE_VOCAB, sharpen=2.5)
     train(compose_train_config(["logger=none", "advantage.estimator=distill", f"teacher.path={teacher}",
                                 "trainer.max_steps=12", "optimizer.lr=1e-2"]), tmp_path / "run")
     kl = kl_of(rows_of(tmp_path / "run"))
@@ -81,7 +81,7 @@ def test_a_prompt_task_with_the_teacher_as_its_kl_reference(tmp_path):
 def test_a_run_resumed_in_the_middle_of_a_batch_adds_the_term_once(tmp_path):
     """Two updates per batch; a run stopped after the first update of a batch and resumed trains the second
     exactly as a straight run: its checkpoint holds the distilled advantages, the term is not added again."""
-    teacher = save_teacher(tmp_path / "teacher", REVERSE_VOCAB, sharpen=20.0)
+    teacher = save_teacher(tmp_path / "teacher", REVERSE_VOCAB, sharpen=2.5)
     common = ["train", "advantage.estimator=distill", f"teacher.path={teacher}", "trainer.minibatches=2",
               "trainer.checkpoint_every=1", "logger=none", "optimizer.lr=1e-2"]
     straight = run_rlcli([*common, "trainer.max_steps=4", "hydra.run.dir=straight"], tmp_path)
