@@ -144,7 +144,7 @@ class TinyModelConfig:
     num_layers: int = described("decoder layers", ge=1)
     num_heads: int = described("attention heads (vLLM's CPU attention takes head sizes 32, 64, 80, ... only)", ge=1)
     init_std: Optional[float] = described(
-        "the initial weights' standard deviation (norms start at 1); null: 1/sqrt(hidden_size)", gt=0)
+        "the initial weights' standard deviation (norms start at 1); null: 1/sqrt(hidden_size)", gt=0, le=1)
     max_position_embeddings: int = described("the longest sequence the model takes, in tokens", ge=1)
     dtype: DTYPES = described("the parameters' dtype")
     gradient_checkpointing: bool = described("recompute activations in the backward pass to save memory")

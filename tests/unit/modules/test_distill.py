@@ -143,8 +143,10 @@ def test_random_splits_into_1_to_8_micro_batches_give_the_same_advantages_and_me
         pieces = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(docs)])]
         split = distilled(docs, pieces, loss, student, teacher_scorer, 1.0)
         for doc in split.documents:
-            assert doc.advantages == pytest.approx(want[doc.index], abs=1e-6), (parts, doc.source)
-        assert split.stats["distill/reverse_kl"] == pytest.approx(whole.stats["distill/reverse_kl"], abs=1e-7)
+            # the float32 log-probs (about 4 in size, a unit in the last place 4.8e-7) of other micro-batches differ
+            # by a few units: so do the advantages and the KL, made of their differences
+            assert doc.advantages == pytest.approx(want[doc.index], abs=5e-6), (parts, doc.source)
+        assert split.stats["distill/reverse_kl"] == pytest.approx(whole.stats["distill/reverse_kl"], abs=5e-6)
 
 
 def test_a_teacher_that_is_the_reference_runs_one_forward_for_both(models):
