@@ -3,7 +3,8 @@
 and on accuracy) against a plain run.
 
 Each run is ``rlcli train`` on the default task (``data=generate``, 8 prompts x 8 completions a step) with the
-same seed, ``trainer.max_bad_steps`` as large as the run so that a stretch of all-filtered steps does not end it.
+same seed, ``trainer.max_bad_steps`` as large as the run; a run that nonetheless meets that many all-filtered
+batches in a row stops there, and the results say so (``stopped``).
 From ``metrics.csv``: the mean ``sampling_rounds`` a step, the groups sampled a step (kept + filtered; 8 without
 the filter), the batches that needed more than one round, the empty steps (a batch that kept no group trains
 nothing, so a run of N steps may read more than N batches); from the rows' timestamps, the mean seconds a batch
@@ -23,6 +24,7 @@ from benchmarks.live_loop import timed_rows
 from benchmarks.output import report
 
 PROMPTS_PER_STEP = 8  # the default rollout.prompts_per_step
+BAD_STEPS_STOP = "steps in a row kept no document"  # rlcli's error at trainer.max_bad_steps filtered batches
 RUNS = {
     "plain": [],
     "zero_variance (reward)": ["rollout.filter=zero_variance"],
@@ -30,7 +32,7 @@ RUNS = {
 }
 
 
-def summary(name: str, rows: list[tuple[float, dict]], total: float) -> dict:
+def summary(name: str, rows: list[tuple[float, dict]], total: float, stopped: str | None) -> dict:
     times = [t for t, _ in rows]
     metrics = [row for _, row in rows]
 
@@ -39,7 +41,7 @@ def summary(name: str, rows: list[tuple[float, dict]], total: float) -> dict:
 
     rounds = [float(row["sampling_rounds"]) if row.get("sampling_rounds") else 1.0 for row in metrics]
     return {
-        "name": name, "batches": len(rows), "wall_s": total,
+        "name": name, "batches": len(rows), "stopped": stopped, "wall_s": total,
         "batch_s": (times[-1] - times[0]) / (len(rows) - 1) if len(rows) > 1 else None,
         "sampling_rounds": statistics.fmean(rounds),
         "max_sampling_rounds": max(rounds),
@@ -66,6 +68,8 @@ def format_table(r: dict) -> str:
             f"| {run['name']} | {run['batches']} ({run['empty_steps']:.0f}) | {run['sampling_rounds']:.2f}, "
             f"{run['max_sampling_rounds']:.0f} | {run['batches_with_more_rounds']} | {run['groups_sampled']:.2f} "
             f"| {run['groups_kept']:.2f} | {run['batch_s']:.3f} | {ratio:.2f} | {run['final_reward']:.3f} |")
+    lines += [f"\n{run['name']} stopped after {run['batches']} batches: {run['stopped']}"
+              for run in r["runs"] if run["stopped"]]
     return "\n".join(lines)
 
 
@@ -80,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.runs):
-            rows, total = timed_rows([*common, *RUNS[name]], Path(tmp) / str(i))
-            runs.append(summary(name, rows, total))
+            rows, total, stopped = timed_rows([*common, *RUNS[name]], Path(tmp) / str(i), stop=BAD_STEPS_STOP)
+            runs.append(summary(name, rows, total, stopped))
     result = {"steps": args.steps, "runs": runs}
     return report(result, format_table(result), args.json)
 

@@ -3,7 +3,7 @@ the time to reach the reward of the default run.
 
 Runs ``rlcli train`` (``data=generate``: the trainer samples each step itself) and ``rlcli loop``
 with 1 and 2 samplers, each for the same number of steps of the same size (the loop's trainer takes
-``trainer.docs_per_step`` = one sampler round, 8 prompts x 8 completions, per step), timestamping
+exactly ``trainer.docs_per_step`` = one sampler round, 8 prompts x 8 completions, per step), timestamping
 every ``metrics.csv`` row as it appears. The target reward is the synchronous run's mean over its
 last 10 steps; a run reaches it at the first step where the mean reward of the last 5 steps is at
 least that.
@@ -28,8 +28,11 @@ TARGET_WINDOW, SMOOTHING = 10, 5
 DOCS_PER_STEP = 64  # what a synchronous step of the default run trains: rollout.prompts_per_step x group_size
 
 
-def timed_rows(argv: list[str], run_dir: Path) -> tuple[list[tuple[float, dict]], float]:
-    """``[(seconds since start, row)]`` of the run's metrics.csv, and its total wall time."""
+def timed_rows(argv: list[str], run_dir: Path, stop: str | None = None
+               ) -> tuple[list[tuple[float, dict]], float, str | None]:
+    """``[(seconds since start, row)]`` of the run's metrics.csv, its total wall time, and how it stopped: None
+    when it finished; a run that fails raises `SystemExit`, unless its error names ``stop`` (an end the caller
+    expects), which is then the error's last line."""
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "rlcli", *argv, f"hydra.run.dir={run_dir}"], env=env,
@@ -46,11 +49,15 @@ def timed_rows(argv: list[str], run_dir: Path) -> tuple[list[tuple[float, dict]]
             break
         time.sleep(0.1)
     total = time.perf_counter() - started
+    stopped = None
     if process.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({process.returncode}):\n{process.stderr.read()[-3000:]}")
+        error = process.stderr.read()[-3000:]
+        if stop is None or stop not in error:
+            raise SystemExit(f"{' '.join(argv)} failed ({process.returncode}):\n{error}")
+        stopped = error.strip().splitlines()[-1]
     with (run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    return [(seen[row["step"]], row) for row in rows], total
+    return [(seen[row["step"]], row) for row in rows], total, stopped
 
 
 def summary(name: str, rows: list[tuple[float, dict]], total: float, target: float | None) -> dict:
@@ -78,12 +85,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     common = [f"trainer.max_steps={args.steps}", "logger=none"]
     with tempfile.TemporaryDirectory() as tmp:
-        rows, total = timed_rows(["train", *common], Path(tmp) / "sync")
+        rows, total, _ = timed_rows(["train", *common], Path(tmp) / "sync")
         target = sum(float(r["reward"]) for _, r in rows[-TARGET_WINDOW:]) / min(TARGET_WINDOW, len(rows))
         results = [summary("train data=generate (synchronous)", rows, total, target)]
         for n in args.samplers:
-            rows, total = timed_rows(["loop", f"sample.workers={n}", f"trainer.docs_per_step={DOCS_PER_STEP}",
-                                      *common], Path(tmp) / f"loop{n}")
+            rows, total, _ = timed_rows(["loop", f"sample.workers={n}", f"trainer.docs_per_step={DOCS_PER_STEP}",
+                                         "trainer.docs_per_step_mode=exact", *common], Path(tmp) / f"loop{n}")
             results.append(summary(f"loop sample.workers={n}", rows, total, target))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"live loop vs synchronous, {args.steps} steps, target reward {target:.3f} "
