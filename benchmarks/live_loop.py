@@ -32,7 +32,7 @@ def timed_rows(argv: list[str], run_dir: Path, stop: str | None = None
                ) -> tuple[list[tuple[float, dict]], float, str | None]:
     """``[(seconds since start, row)]`` of the run's metrics.csv, its total wall time, and how it stopped: None
     when it finished; a run that fails raises `SystemExit`, unless its error names ``stop`` (an end the caller
-    expects), which is then the error's last line."""
+    expects) after it logged a step: then the error's last line."""
     env = dict(os.environ, WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "rlcli", *argv, f"hydra.run.dir={run_dir}"], env=env,
@@ -52,7 +52,7 @@ def timed_rows(argv: list[str], run_dir: Path, stop: str | None = None
     stopped = None
     if process.returncode != 0:
         error = process.stderr.read()[-3000:]
-        if stop is None or stop not in error:
+        if stop is None or stop not in error or not (run_dir / "metrics.csv").is_file():
             raise SystemExit(f"{' '.join(argv)} failed ({process.returncode}):\n{error}")
         stopped = error.strip().splitlines()[-1]
     with (run_dir / "metrics.csv").open() as f:
