@@ -174,7 +174,9 @@ def test_killed_in_a_save_and_resumed_equals_the_straight_run(lora_run, tmp_path
     assert [r["step"] for r in got] == ["1", "2", "3", "4"]
     for expected, actual in zip(want, got, strict=True):
         for name, value in expected.items():
-            assert float(actual[name]) == pytest.approx(float(value), rel=1e-6, abs=1e-9), (expected["step"], name)
+            # the straight run trained in this process, the killed one in its own, whose float32 sums may round
+            # otherwise from step 1 on: kl_new_old, pure rounding of about 1e-9, then differs by up to 1e-8
+            assert float(actual[name]) == pytest.approx(float(value), rel=1e-6, abs=1e-7), (expected["step"], name)
     for path in ("model.safetensors", "adapter/adapter_model.safetensors"):
         expected, actual = load_file(straight / "export" / path), load_file(killed / "export" / path)
         assert set(actual) == set(expected)
