@@ -28,7 +28,7 @@ from benchmarks import throughput
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
-from benchmarks.timing import time_in_turns
+from benchmarks.timing import device_sync, time_in_turns
 
 
 def _parse(argv):
@@ -64,7 +64,7 @@ def run(args) -> dict:
     if args.threads or args.cpu_time:
         torch.set_num_threads(1 if args.cpu_time else args.threads)
     device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     torch._dynamo.reset()  # count this benchmark's compiles only
     rollouts = throughput._rollouts(args)
     passes, info = {}, {}

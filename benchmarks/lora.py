@@ -50,7 +50,7 @@ from benchmarks import lm_head
 from benchmarks.machine import device_name
 from benchmarks.output import report
 from benchmarks.throughput import _attention, _rollouts
-from benchmarks.timing import time_in_turns
+from benchmarks.timing import device_sync, time_in_turns
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # model shapes, hidden x intermediate x layers x heads x vocab: the 58M Llama of benchmarks.vllm_sampling, and
@@ -180,10 +180,6 @@ def _label(rank: int) -> str:
     return f"lora{rank}" if rank else FULL
 
 
-def _sync(device: torch.device):
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 def _bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
@@ -203,7 +199,7 @@ def publish_times(policy: torch.nn.Module, repeats: int, device: torch.device) -
             "merged_export": lambda: policy.save_pretrained(merged_dir, state_dict=merged_weights(policy)),
             "adapter_export": lambda: save_adapter(policy, policy.state_dict(), adapter_dir),
         }
-        times = time_in_turns(ways, repeats, time.perf_counter, _sync(device))
+        times = time_in_turns(ways, repeats, time.perf_counter, device_sync(device))
         sizes = dict(merged_bytes=_bytes(merged_dir), adapter_bytes=_bytes(adapter_dir))
     return {f"{name}_s": statistics.median(t) for name, t in times.items()} | sizes
 
@@ -213,7 +209,7 @@ def time_configurations(settings: dict, ranks: list[int], repeats: int, clock=ti
     by ``clock`` in turns, then the publish times of each LoRA configuration."""
     device = torch.device(settings["device"])
     built = {_label(rank): build(settings, rank) for rank in [0, *ranks]}
-    times = time_in_turns({name: c.step for name, c in built.items()}, repeats, clock, _sync(device))
+    times = time_in_turns({name: c.step for name, c in built.items()}, repeats, clock, device_sync(device))
     rows = []
     for rank in [0, *ranks]:
         name, c = _label(rank), built[_label(rank)]
@@ -240,7 +236,7 @@ def peak_memory(settings: dict, rank: int) -> dict:
     c = build(settings, rank)
     for _ in range(2):
         c.step()
-    _sync(device)()
+    device_sync(device)()
     peak = lm_head.peak_memory(device) - base
     return dict(peak_mib=peak / 2**20, peak_is_lower_bound=lower_bound)
 
@@ -279,7 +275,7 @@ def run(args) -> dict:
             r["sizes"] = model
         rows += group
     result = dict(device=args.device, device_name=device_name(device), threads=torch.get_num_threads(),
-                documents=args.documents, completion_range=[args.min_completion, args.max_completion],
+                  documents=args.documents, completion_range=[args.min_completion, args.max_completion],
                   max_tokens=args.max_tokens, kl_coef=args.kl_coef, repeats=args.repeats,
                   timer="CPU time, one thread" if args.cpu_time else "wall time", rows=rows)
     torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
 from benchmarks.throughput import _model, _rollouts, model_sizes
-from benchmarks.timing import time_in_turns
+from benchmarks.timing import device_sync, time_in_turns
 
 
 def _parse(argv):
@@ -69,7 +69,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if args.cpu_time and device.type != "cpu":
         raise SystemExit("--cpu-time: times CPU steps only")
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     rows = [[t.to(device) for t in (mb.input_ids, mb.position_ids, mb.labels, mb.sampler_logprobs, mb.advantages,
                                     mb.mask, mb.document_index)]
             for mb in pack_documents(_rollouts(args), args.max_tokens)]

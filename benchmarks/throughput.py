@@ -35,7 +35,7 @@ import torch
 from benchmarks.lm_head import chunk_tokens_arg
 from benchmarks.machine import device_name
 from benchmarks.output import report
-from benchmarks.timing import time_in_turns
+from benchmarks.timing import device_sync, time_in_turns
 
 PROMPT_TOKENS = 16
 HEAD_SIZE = 64  # the model's attention head size, as in real models
@@ -221,7 +221,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     built = loops(args)
     result = built.info | dict(threads=torch.get_num_threads())
     passes = {"packed": built.packed, "padded": built.padded}

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device`` to finish its queued work: `torch.cuda.synchronize` on a GPU, nothing on a CPU
+    (the ``sync`` of `time_in_turns`)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
 
 def time_in_turns(steps: dict[str, Callable[[], None]], repeats: int, clock, sync, *,
                   warm_up: bool = True) -> dict[str, list[float]]:
