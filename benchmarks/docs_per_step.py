@@ -61,8 +61,7 @@ def _time_mode(stream, scorer, *, steps, micro_batches, docs_per_step, with_mode
 
 
 def _worker(rank: int, args, port: int, results) -> None:
-    from omegaconf import OmegaConf
-
+    from benchmarks.throughput import tiny_config
     from rlcli.data.document_stream import DocumentStream
     from rlcli.model.policy import build_policy
     from rlcli.model.scorer import TokenScorer
@@ -72,8 +71,7 @@ def _worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     torch.manual_seed(0)
-    model_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
-    scorer = TokenScorer(build_policy(model_cfg), HeadSpec(chunk_tokens=0), with_entropy=False)
+    scorer = TokenScorer(build_policy(tiny_config()), HeadSpec(chunk_tokens=0), with_entropy=False)
     docs_per_micro_batch = MAX_TOKENS // DOC_TOKENS
     docs_per_step = WORLD_SIZE * args.micro_batches * docs_per_micro_batch
     rollouts = _rollouts(docs_per_step * (args.steps + 1))

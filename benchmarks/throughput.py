@@ -97,12 +97,17 @@ def model_sizes(args) -> dict:
     return dict(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // HEAD_SIZE), vocab=args.vocab)
 
 
-def _model(args, device):
+def tiny_config():
+    """``model=tiny``'s config (rlcli/conf/model/tiny.yaml), an OmegaConf node for a benchmark to resize."""
     from omegaconf import OmegaConf
 
+    return OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
+
+
+def _model(args, device):
     from rlcli.model.policy import build_policy
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
+    cfg = tiny_config()
     cfg.hidden_size, cfg.intermediate_size, cfg.num_layers = args.hidden, 2 * args.hidden, args.layers
     # model=tiny's 2 heads would be 512 wide at H=1024, over the flash
     # kernels' limit of 256, and attention would fall back to the quadratic-memory math kernel

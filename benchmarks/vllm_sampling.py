@@ -76,12 +76,12 @@ def _check_vllm() -> None:
 def _model(spec: dict, device: torch.device) -> torch.nn.Module:
     """A random-init float32 Llama: model=tiny's config (`rlcli.model.policy.tiny_model_config`) at ``spec``'s
     sizes."""
-    from omegaconf import OmegaConf
     from transformers import LlamaForCausalLM
 
+    from benchmarks.throughput import tiny_config
     from rlcli.model.policy import tiny_model_config
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "rlcli/conf/model/tiny.yaml")
+    cfg = tiny_config()
     cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size = spec["vocab"], spec["hidden"], spec["intermediate"]
     cfg.num_layers, cfg.num_heads = spec["layers"], spec["heads"]
     torch.manual_seed(0)
