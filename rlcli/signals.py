@@ -147,16 +147,19 @@ class RunSignals:
             log.warning("%s: %s", signum.name, message)
 
     def _abandon_rewards_that_hang(self, signalled: float) -> None:
-        """A thread: abandons the step if its rewards run `REWARDS_GRACE` seconds past the signal or their start."""
-        while RunSignals.active is self and self.phase == TRAINING and not self.abandoning:
+        """A thread: abandons the step if its rewards run `REWARDS_GRACE` seconds past the signal or their start,
+        and signals the main thread again every 0.1 s while it is still in them (see `_abandon`)."""
+        while RunSignals.active is self and self.phase == TRAINING:
             since = self.rewards_since
-            if since is not None and time.monotonic() - max(signalled, since) >= REWARDS_GRACE:
+            if since is not None and (self.abandoning or time.monotonic() - max(signalled, since) >= REWARDS_GRACE):
                 self._abandon()
             time.sleep(0.1)
 
     def _abandon(self) -> None:
         """Make the main thread raise `StepInterrupted` in its `interruptible` code: a signal sent to that thread
-        wakes it from a wait (a sleep, a lock) and runs `_in_main_thread` there."""
+        wakes it from a wait (a sleep, a lock) and runs `_in_main_thread` there. One that lands just before the
+        thread enters a wait is only seen when the wait ends, so the grace thread sends it again until the main
+        thread has left that code."""
         self.abandoning = True
         signal.pthread_kill(threading.main_thread().ident, self.first_signal)
 

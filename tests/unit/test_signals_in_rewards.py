@@ -50,3 +50,24 @@ def test_a_second_signal_ends_the_rewards_at_once():
                 time.sleep(60)
         assert time.monotonic() - started < REWARDS_GRACE
         assert (caught.value.signum, caught.value.code) == (signal.SIGINT, 130)
+
+
+def test_rewards_that_swallow_the_interruption_are_ended_all_the_same():
+    """The main thread is signalled until it leaves the rewards: one signal alone is lost if it lands just before
+    a wait begins, or, as here, if the reward's bare ``except`` takes it (before the fix the sleep ran 60 s)."""
+    swallowed = []
+    with RunSignals() as signals:
+        signals.phase = TRAINING
+        os.kill(os.getpid(), signal.SIGINT)
+        started = time.monotonic()
+        with pytest.raises(StepInterrupted):
+            with interruptible():
+                try:
+                    time.sleep(0.3)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(60)
+                except BaseException as err:  # noqa: BLE001 - a reward that takes everything and goes on
+                    swallowed.append(type(err))
+                    time.sleep(60)
+        assert swallowed == [StepInterrupted]
+        assert time.monotonic() - started < REWARDS_GRACE
