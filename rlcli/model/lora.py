@@ -44,13 +44,13 @@ def add_adapters(model: torch.nn.Module, cfg, base_path: str | None = None) -> t
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as err:
         raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} cannot take adapters: {err}") from None
-    unmergeable = [name for name, layer in model.named_modules() if isinstance(layer, peft_lora.LoraLayer) and (
+    unmergeable = [name for name, layer in model.named_modules() if _is_adapted(layer) and (
         not isinstance(layer, peft_lora.Linear) or layer.fan_in_fan_out)]
     if unmergeable:
         raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts adapters on {', '.join(unmergeable)}: "
                         "rlcli merges adapters of linear layers (torch.nn.Linear) only, not of embeddings or "
                         "transposed (Conv1D) layers; name linear layers")
-    if _has_adapter(model.get_output_embeddings()):
+    if _is_adapted(model.get_output_embeddings()):
         if model.config.tie_word_embeddings:
             raise UserError(f"model.lora.target_modules: {cfg.target_modules!r} puts an adapter on the LM head, "
                             "which this model ties to its embeddings; leave it out")
@@ -65,8 +65,11 @@ def has_adapters(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _has_adapter(layer: torch.nn.Module) -> bool:
-    return bool(getattr(layer, "lora_A", None))
+def _is_adapted(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is one of peft's LoRA layers (its base layer and an adapter pair)."""
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(layer, LoraLayer)
 
 
 def head_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -74,7 +77,7 @@ def head_weight(model: torch.nn.Module) -> torch.Tensor:
     adapter on it is on (differentiable: the fused head's gradient of the weight reaches A and B)."""
     head = model.get_output_embeddings()
     weight = head.weight  # [V, H]; an adapted layer's is its base layer's
-    if _has_adapter(head) and not head.disable_adapters:
+    if has_adapters(model) and _is_adapted(head) and not head.disable_adapters:  # no peft import without LoRA
         weight = weight + head.get_delta_weight(ADAPTER)  # [V, H]
     return weight
 
@@ -86,9 +89,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return [module for module in model.modules() if isinstance(module, LoraLayer)]
+    return [module for module in model.modules() if _is_adapted(module)]
 
 
 @contextmanager
