@@ -52,30 +52,42 @@ def fsdp(cfg, world_size: int) -> tuple[Any, Sharding]:
 
 
 def _model_parallel_strategy(**kwargs):
-    """Lightning's ModelParallelStrategy, which also resumes from a checkpoint of LoRA adapters.
+    """Lightning's ModelParallelStrategy, which also resumes from a checkpoint of LoRA adapters and from one of an
+    optimizer that keeps no state.
 
-    Such a checkpoint holds the adapters, not the base weights (`PolicyModule.on_save_checkpoint`). The
-    strategy loads a checkpoint into the sharded model before ``on_load_checkpoint`` can complete it with the
-    base weights, so here it loads it non-strictly: the adapters from the file, the base weights staying as
-    built from the model (which ``on_load_checkpoint`` then checks by hash)."""
+    - A checkpoint of adapters holds them, not the base weights (`PolicyModule.on_save_checkpoint`). The strategy
+      loads a checkpoint into the sharded model before ``on_load_checkpoint`` can complete it with the base
+      weights, so here it loads it non-strictly: the adapters from the file, the base weights staying as built
+      from the model (which ``on_load_checkpoint`` then checks by hash).
+    - An optimizer without state (SGD without momentum) saves none, which Lightning's loading takes for a
+      malformed state (an IndexError); here its saved param groups (learning rates and the rest), all there is
+      of it, are loaded directly."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from rlcli.model.lora import has_adapters
 
-    class AdapterResumingStrategy(ModelParallelStrategy):
+    class ResumingStrategy(ModelParallelStrategy):
         def load_checkpoint(self, checkpoint_path, weights_only=None):
-            module = self.lightning_module
-            if not has_adapters(module.policy):
-                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            strict, module.strict_loading = module.strict_loading, False
+            module, optimizers = self.lightning_module, self.optimizers
+            saved = torch.load(checkpoint_path, mmap=True, map_location="cpu", weights_only=weights_only)
+            stateless = not any(state["state"] for state in saved["optimizer_states"])
+            adapters = has_adapters(module.policy)
+            strict, module.strict_loading = module.strict_loading, module.strict_loading and not adapters
+            if stateless:
+                self.optimizers = []  # Lightning loads the model and the rest of the checkpoint alone
             try:
                 checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             finally:
                 module.strict_loading = strict
-            checkpoint["state_dict"] = {}  # loaded already: this strategy loads nothing after on_load_checkpoint
+                self.optimizers = optimizers
+            if stateless:
+                for optimizer, state in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+                    optimizer.load_state_dict(state)  # its param groups: no state to place on the shards
+            if adapters:
+                checkpoint["state_dict"] = {}  # loaded already: this strategy loads nothing after on_load_checkpoint
             return checkpoint
 
-    return AdapterResumingStrategy(**kwargs)
+    return ResumingStrategy(**kwargs)
 
 
 @STRATEGIES.register("fsdp2")
