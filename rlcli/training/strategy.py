@@ -79,7 +79,8 @@ def _model_parallel_strategy(**kwargs):
                 checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             finally:
                 module.strict_loading = strict
-                self.optimizers = optimizers
+                if stateless:
+                    self.optimizers = optimizers
             if stateless:
                 for optimizer, state in zip(optimizers, checkpoint["optimizer_states"], strict=True):
                     optimizer.load_state_dict(state)  # its param groups: no state to place on the shards
